@@ -85,3 +85,19 @@ def test_cancel_cuts_a_generation_short(qwen_tokenizer):
     engine.cancel.set()
     out = engine.generate([[5, 6, 7]], 2)
     assert all(len(ids) <= 2 for ids in out.completion_ids)
+
+
+def test_snapshot_of_a_trl_patched_model_uses_its_own_weights(qwen_tokenizer):
+    """GRPOTrainer patches `model.forward` with a closure over the live model; the snapshot must not call it."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = make_tiny_qwen2(qwen_tokenizer)
+    add_fused_lm_head(model)
+    snap = snapshot_policy(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        before = snap(ids).logits
+        for p in model.parameters():
+            p.add_(1.0)  # the live model moves on
+        after = snap(ids).logits
+    torch.testing.assert_close(before, after)

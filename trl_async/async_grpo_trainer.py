@@ -279,7 +279,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # ---- tensor-native rewards ------------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        tensor_idx = [i for i, f in enumerate(self.reward_funcs) if callable(getattr(f, "score", None))]
+        from .rewards.base import TensorReward
+
+        tensor_idx = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, TensorReward)]
         if not tensor_idx:
             return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         other_idx = [i for i in range(len(self.reward_funcs)) if i not in tensor_idx]
@@ -333,7 +335,9 @@ def _check_rewards(name: str, values: list) -> list:
 
 def _reject_nan_rewards(func, name: str):
     """Wrap a Python reward function so that a NaN reward (a bug, unlike None = 'not applicable') raises."""
-    if isinstance(func, torch.nn.Module) or callable(getattr(func, "score", None)):
+    from .rewards.base import TensorReward
+
+    if isinstance(func, (torch.nn.Module, TensorReward)):
         return func
     if is_async_callable(func):
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import types
 from typing import Any
 
 import torch
@@ -38,6 +39,12 @@ def snapshot_policy(model: torch.nn.Module) -> torch.nn.Module:
     """A deep copy of ``model`` that shares its frozen parameters and copies its trainable ones (eval mode)."""
     shared = {id(p): p for p in model.parameters() if not p.requires_grad}
     snapshot = copy.deepcopy(model, memo=shared)
+    for module in snapshot.modules():
+        # TRL's `add_fused_lm_head` replaces `forward` on the instance with a closure over the *original* model's
+        # bound forward; deep-copied, it would keep generating with the training model. Use the class forward.
+        patched = module.__dict__.get("forward")
+        if isinstance(patched, types.MethodType) and hasattr(patched.__func__, "__wrapped__"):
+            del module.__dict__["forward"]
     snapshot.eval()
     base = snapshot.get_base_model() if hasattr(snapshot, "get_base_model") else snapshot
     checkpointing = getattr(base, "is_activation_checkpointing", None)
