@@ -256,3 +256,24 @@ def test_unsupported_arguments_are_rejected(tmp_path, qwen_tokenizer, tiny_qwen2
         AsyncGRPOTrainer(
             tiny_qwen2, length_reward, args=config(tmp_path), train_dataset=prompts_dataset(), tools=[len]
         )
+
+
+def test_without_is_correction_the_ppo_ratio_is_taken_against_the_behaviour_policy(tmp_path, qwen_tokenizer):
+    class Capture(AsyncGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            self.batches = getattr(self, "batches", []) + [{k: v for k, v in inputs.items()}]
+            return super()._compute_loss(model, inputs)
+
+    trainer = Capture(
+        make_tiny_qwen2(qwen_tokenizer),
+        length_reward,
+        args=config(tmp_path, max_steps=3, max_staleness=1, vllm_importance_sampling_correction=False),
+        train_dataset=prompts_dataset(),
+        processing_class=qwen_tokenizer,
+    )
+    trainer.train()
+    stale = [b for b in trainer.batches if "sampling_per_token_logps" in b]
+    assert stale, "steps 1 and 2 train on 1-step-stale rollouts"
+    for b in stale:
+        assert "importance_sampling_ratio" not in b
+        assert torch.equal(b["old_per_token_logps"], b["sampling_per_token_logps"])

@@ -267,6 +267,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         output["policy_version"] = torch.tensor(versions, dtype=torch.long, device=self.accelerator.device)  # (B,)
         if not self._behaviour_is_active:
             output.pop("sampling_per_token_logps", None)  # fresh + exact: behaviour == current policy
+        elif not self.args.vllm_importance_sampling_correction and "old_per_token_logps" not in output:
+            # No IS correction requested: clip the PPO ratio against the behaviour policy itself.
+            output["old_per_token_logps"] = output["sampling_per_token_logps"]
         self._behaviour_is_active = False
         return output
 
