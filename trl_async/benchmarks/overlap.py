@@ -102,7 +102,7 @@ def _build(model_name: str, num_threads: int):
         return [float(len(ids) % 7) for ids in completion_ids]
 
     common = dict(
-        **settings, bf16=False, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no",
+        **settings, bf16=False, use_cpu=not torch.cuda.is_available(), report_to="none", logging_steps=1, save_strategy="no",
         disable_tqdm=True, gradient_checkpointing=False, beta=0.0, lr_scheduler_type="constant", seed=0,
         temperature=1.0,
     )  # fmt: skip
@@ -126,7 +126,8 @@ def run(model_name: str, mode: str, steps: int, all_threads: int) -> dict[str, f
             )  # fmt: skip
             trainer.generation_s = []
         else:
-            extra = dict(max_staleness=1, generation_num_threads=1) if mode == "async 1+1" else dict(max_staleness=0)
+            split = dict(generation_num_threads=1) if not torch.cuda.is_available() else {}
+            extra = dict(max_staleness=1, **split) if mode == "async 1+1" else dict(max_staleness=0)
             trainer = AsyncGRPOTrainer(
                 model, reward, args=AsyncGRPOConfig(output_dir=out, max_steps=steps, **common, **extra),
                 train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config, callbacks=[clock],

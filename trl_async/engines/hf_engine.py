@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import types
@@ -115,6 +116,7 @@ class HFGenerationEngine:
         self.eos_token_ids = list(eos_token_ids)
         self.max_completion_length = max_completion_length
         self.max_model_length = max_model_length
+        self._stream = None  # CUDA stream of the worker thread, created on first use
         self.cancel = threading.Event()  # set by the worker's stop(): cuts an in-flight generation short
         self._warpers: list[LogitsProcessor] = []
         if repetition_penalty != 1.0:
@@ -172,22 +174,34 @@ class HFGenerationEngine:
             input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[row, width - len(ids) :] = 1
         recorder = _BehaviourLogprobRecorder()
-        sequences = self.model.generate(
+        with self._stream_context():
+            sequences = self._generate(input_ids, attention_mask, recorder)
+            completion_ids = sequences[:, width:]  # (N, T)
+            logprobs = recorder.finish(completion_ids)  # (N, T)
+            is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
+            has_eos = is_eos.any(dim=1)
+            lengths = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, completion_ids.size(1))  # (N,) EOS incl.
+            ids_cpu, lps_cpu, lengths = completion_ids.cpu(), logprobs.cpu(), lengths.tolist()
+        return EngineOutput(
+            completion_ids=[ids_cpu[i, :n].tolist() for i, n in enumerate(lengths)],
+            logprobs=[lps_cpu[i, :n].tolist() for i, n in enumerate(lengths)],
+        )
+
+    def _stream_context(self):
+        """On CUDA, the worker's kernels go to their own stream so they overlap the trainer's (default) stream."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        return torch.cuda.stream(self._stream)
+
+    def _generate(self, input_ids, attention_mask, recorder):
+        return self.model.generate(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             generation_config=self.generation_config,
             logits_processor=LogitsProcessorList([*self._warpers, recorder]),
             stopping_criteria=StoppingCriteriaList([_StopWhenRequested(self.cancel)]),
-        )
-        completion_ids = sequences[:, width:]  # (N, T)
-        logprobs = recorder.finish(completion_ids)  # (N, T)
-        is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
-        has_eos = is_eos.any(dim=1)
-        lengths = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, completion_ids.size(1))  # (N,) EOS included
-        ids_cpu, lps_cpu, lengths = completion_ids.cpu(), logprobs.cpu(), lengths.tolist()
-        return EngineOutput(
-            completion_ids=[ids_cpu[i, :n].tolist() for i, n in enumerate(lengths)],
-            logprobs=[lps_cpu[i, :n].tolist() for i, n in enumerate(lengths)],
         )
 
     def _check_lengths(self, prompt_ids: list[list[int]]) -> None:
@@ -207,14 +221,20 @@ class HFGenerationEngine:
         missing = update.keys() - params.keys()
         if missing:
             raise KeyError(f"Weight update names not in the snapshot: {sorted(missing)[:5]}")
-        for name, tensor in update.items():
-            params[name].copy_(tensor)
+        with self._stream_context():
+            for name, tensor in update.items():
+                params[name].copy_(tensor)
+        if self.device.type == "cuda":
+            self._stream.synchronize()
 
     # ---- main thread -----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def stage_weights(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Clone the trainable tensors of the (unwrapped) training model: the adapter only, with LoRA."""
-        return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+        update = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the worker reads them from its own stream
+        return update
 
     def close(self) -> None:
         self.cancel.set()
