@@ -28,8 +28,9 @@ class AsyncGRPOConfig(GRPOConfig):
             `"hf"`: `transformers.generate` on a snapshot of the policy in the worker thread (CPU or GPU, LoRA or full).
             `"vllm"`: a vLLM engine (`vllm_mode="colocate"`: in-process; `"server"`: a `trl vllm-serve` server).
         generation_num_threads (`int` or `None`, *optional*, defaults to `None`):
-            Torch intra-op threads for the generation thread (CPU). On a 2-core machine, 1 for generation and 1 for
-            training overlaps best. `None` keeps torch's default.
+            CPU only: `torch.set_num_threads` value applied when the generation thread starts. The setting is
+            process-wide, and generation and training each use that many threads at the same time, so on C cores use
+            C / 2 (1 on a 2-core laptop: 1 + 1 overlaps best). `None` keeps torch's setting.
         generation_timeout_s (`float`, *optional*, defaults to `900.0`):
             Longest time the trainer waits for rollouts before raising a `TimeoutError` (it never hangs).
         worker_shutdown_timeout_s (`float`, *optional*, defaults to `60.0`):
@@ -56,7 +57,7 @@ class AsyncGRPOConfig(GRPOConfig):
     )
     generation_num_threads: int | None = field(
         default=None,
-        metadata={"help": "Torch intra-op threads of the generation thread (CPU). None: torch's default."},
+        metadata={"help": "CPU: process-wide torch threads once generation runs beside training (use cores / 2)."},
     )
     generation_timeout_s: float = field(
         default=900.0,

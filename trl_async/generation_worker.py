@@ -46,7 +46,8 @@ class GenerationWorker(threading.Thread):
         planned_version: generation call index -> trainer version at which its rollouts will be trained on.
         max_staleness: see the class invariants.
         initial_version: version of the weights the engine holds at start.
-        num_threads: torch intra-op threads for this thread (CPU engines); ``None`` leaves the default.
+        num_threads: ``torch.set_num_threads`` value applied when the thread starts (process-wide: generation and
+            training then each use that many threads concurrently); ``None`` leaves it.
     """
 
     def __init__(
@@ -112,7 +113,7 @@ class GenerationWorker(threading.Thread):
     def run(self) -> None:
         try:
             if self.num_threads is not None:
-                torch.set_num_threads(self.num_threads)  # per-thread on OpenMP builds
+                torch.set_num_threads(self.num_threads)  # process-wide: each concurrent thread uses this many
             while not self._stop_event.is_set():
                 self._wait_for_fresh_enough_weights(self.calls_done)
                 if self._stop_event.is_set():
