@@ -1,0 +1,110 @@
+"""The TensorReward protocol: custom rewards, weighted sums, names, the literal automaton."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import pytest
+import torch
+
+from tests.test_rewards_math import encode
+from tests.test_rewards_tokenizers import merged_digit_tokenizer, smollm2_tokenizer
+from trl_async.rewards import (
+    FormatReward,
+    MathAnswerReward,
+    SoftOverlongPunishment,
+    TensorReward,
+    VocabTables,
+    WeightedSum,
+    combine,
+    pad_right,
+    tensor_reward,
+)
+from trl_async.rewards.literal import find_literal
+
+
+def test_custom_reward_by_subclass_and_by_decorator(qwen_tokenizer):
+    period = qwen_tokenizer(".", add_special_tokens=False).input_ids[0]
+
+    class EndsWithPeriod(TensorReward):
+        default_name = "ends_with_period"
+
+        def score(self, completion_ids, completion_mask, **columns):
+            keep = self.before_eos(completion_ids, completion_mask)  # (B, L)
+            last = keep & (keep.cumsum(1) == keep.sum(1, keepdim=True))  # (B, L) the last kept token
+            return ((completion_ids == period) & last).any(1).float()
+
+    @tensor_reward(eos_token_ids=[qwen_tokenizer.eos_token_id])
+    def ends_with_period(completion_ids, completion_mask, **columns):
+        last = completion_mask & (completion_mask.cumsum(1) == completion_mask.sum(1, keepdim=True))
+        return ((completion_ids == period) & last).any(1).float()
+
+    ids = encode(qwen_tokenizer, ["Done.", "Done", "x. y"])
+    by_class = EndsWithPeriod(qwen_tokenizer)
+    assert by_class(completion_ids=ids) == ends_with_period(completion_ids=ids) == [1.0, 0.0, 0.0]
+    assert by_class.__name__ == "ends_with_period" and ends_with_period.__name__ == "ends_with_period"
+
+
+def test_weighted_sum_and_names(qwen_tokenizer):
+    math = MathAnswerReward(qwen_tokenizer)
+    fmt = FormatReward(qwen_tokenizer)
+    total = combine([math, fmt, SoftOverlongPunishment(8, 4)], weights=[1.0, 0.5, 1.0])
+    texts = ["<think>x</think><answer>\\boxed{7}</answer>", "\\boxed{7}", "<think>x</think><answer>8</answer>"]
+    ids, mask = pad_right(encode(qwen_tokenizer, texts))
+    expected = (
+        math.score(ids, mask, answer=["7"] * 3)
+        + 0.5 * fmt.score(ids, mask)
+        + SoftOverlongPunishment(8, 4).score(ids, mask)
+    )
+    assert torch.equal(total.score(ids, mask, answer=["7"] * 3), expected)
+    assert total.__name__ == "math_answer+format+soft_overlong_punishment"
+    assert MathAnswerReward(qwen_tokenizer, name="gsm8k").__name__ == "gsm8k"
+    with pytest.raises(ValueError, match="one weight per reward"):
+        WeightedSum([math, fmt], [1.0])
+    with pytest.raises(TypeError, match="tensor rewards"):
+        WeightedSum([math, lambda **kw: [0.0]])
+
+
+def test_rewards_pickle(qwen_tokenizer):
+    reward = MathAnswerReward(qwen_tokenizer)
+    clone = pickle.loads(pickle.dumps(reward))
+    ids = encode(qwen_tokenizer, ["\\boxed{3}"])
+    assert clone(completion_ids=ids, answer=["3"]) == [1.0]
+
+
+@pytest.mark.parametrize("which", ["qwen", "smollm2", "merged_digits"])
+def test_literal_automaton_equals_str_find(which, qwen_tokenizer):
+    tokenizer = {
+        "qwen": lambda: qwen_tokenizer,
+        "smollm2": smollm2_tokenizer,
+        "merged_digits": merged_digit_tokenizer,
+    }[which]()
+    vocab = VocabTables.for_tokenizer(tokenizer)
+    rng = random.Random(which)
+    pieces = ["\\boxed{", "\\box", "ed{", "{", "}", "####", "##", "#", " ", "\n", "72", "<think>", "</think>", "<",
+              "think", ">", "\\", "$", "answer", "</answer>"]  # fmt: skip
+    texts = ["".join(rng.choice(pieces) for _ in range(rng.randint(1, 12))) for _ in range(300)]
+    rows = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    ids, mask = pad_right(rows)
+    tokens = vocab.map_ids(ids, mask)
+    for literal in ["\\boxed{", "####", "<think>", "</answer>"]:
+        hits = find_literal(tokens, vocab.literal(literal))
+        for b, (text, row) in enumerate(zip(texts, rows)):
+            starts = [0]
+            for i in row:
+                starts.append(starts[-1] + len(vocab.texts[i]))
+            assert "".join(vocab.texts[i] for i in row) == text
+            want = {}
+            at = text.find(literal)
+            while at >= 0:  # every occurrence, overlapping ones included: token where it ends -> offset after it
+                end = at + len(literal)
+                token = max(k for k in range(len(row)) if starts[k] < end)
+                want[token] = end - starts[token]
+                at = text.find(literal, at + 1)
+            got_tokens = hits.event[b, : len(row)].nonzero().flatten().tolist()
+            assert sorted(want) == got_tokens, (text, literal)
+            if want:
+                index = torch.tensor(got_tokens)
+                batch_hits = find_literal(tokens[b : b + 1].expand(len(index), -1), vocab.literal(literal))
+                assert batch_hits.offset_at(index).tolist() == [want[t] for t in got_tokens], (text, literal)

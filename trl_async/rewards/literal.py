@@ -1,0 +1,173 @@
+"""Find a literal string (``\\boxed{``, ``####``, ``</think>``) in token ids, however the tokenizer split it.
+
+The same text tokenises differently by context: Qwen2.5 writes ``\\boxed{`` as ``' \\'``, ``'boxed'``, ``'{'`` but
+``$\\boxed{\\$`` as ``'$\\'``, ``'boxed'``, ``'{\\'``; SmolLM2 splits ``'box'``, ``'ed'``; ``<think>`` may end in
+``'>\\n'``. So matching one token sequence is not enough. :class:`LiteralTables` classifies every token of the
+vocabulary once against the literal ``S`` (length ``n``):
+
+* ``full_after[t]``: ``S`` occurs inside token ``t``; the character offset just after its last occurrence (else 0).
+* ``pre[t]``: bit ``k`` set when the text of ``t`` ends with ``S[:k]`` (``0 < k < n``): a match may start here.
+* ``mid[t]``: bit ``j`` set when the text of ``t`` *is* ``S[j:j+len(t)]`` and the match continues after it.
+* ``post[t]``: bit ``j`` set when the text of ``t`` starts with ``S[j:]``: a match that consumed ``S[:j]`` ends here.
+
+:func:`find_literal` then runs the automaton over the whole batch at once: the set of partial-match states at each
+token boundary is a bitmask, and a chain of ``mid`` tokens is at most ``max_chain`` long (found from the vocabulary),
+so the recurrence is unrolled that many times. No loop over the batch or the sequence, no host sync.
+
+Invariant (tested against ``str.find`` on decoded text): ``event[b, t]`` is True iff an occurrence of ``S`` in the
+concatenated text ends inside token ``t``, and ``offset_at`` is the character offset within token ``t`` just
+after the last such occurrence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def _nonspace(text: str) -> int:
+    return sum(not c.isspace() for c in text)
+
+
+class LiteralTables:
+    """How every token of a vocabulary relates to one literal (see the module docstring)."""
+
+    def __init__(self, texts: list[str], literal: str):
+        n = len(literal)
+        if n == 0 or n > 62:
+            raise ValueError(f"The literal must have 1 to 62 characters, got {literal!r}.")
+        self.literal = literal
+        self.n = n
+        rows = len(texts) + 1  # + the null token
+        full_after = [0] * rows
+        full_count = [0] * rows
+        full_nonspace = [0] * rows
+        pre = [0] * rows
+        mid = [0] * rows
+        post = [0] * rows
+        alphabet = set(literal)
+        for i, text in enumerate(texts):
+            if alphabet.isdisjoint(text):
+                continue  # shares no character with the literal: takes no part in any match
+            if literal in text:
+                full_after[i] = text.rfind(literal) + n
+                full_count[i] = text.count(literal)
+                full_nonspace[i] = _nonspace(text[: full_after[i]])
+            for k in range(1, n):
+                if text.endswith(literal[:k]):
+                    pre[i] |= 1 << k
+            for j in range(1, n - 1):
+                if j + len(text) < n and literal.startswith(text, j):
+                    mid[i] |= 1 << j
+            for j in range(1, n):
+                if text.startswith(literal[j:]):
+                    post[i] |= 1 << j
+        bits = torch.int16 if n <= 14 else torch.int32 if n <= 30 else torch.int64  # state bitmasks need n bits
+        self.full_after = torch.tensor(full_after, dtype=torch.int32)  # (V+1,)
+        self.full_count = torch.tensor(full_count, dtype=torch.int32)  # (V+1,)
+        self.full_nonspace = torch.tensor(full_nonspace, dtype=torch.int32)  # (V+1,) non-space chars up to there
+        # non-space characters of S[j:], what a match ending in a token after consuming S[:j] adds to it
+        self.suffix_nonspace = torch.tensor([_nonspace(literal[j:]) for j in range(n + 1)], dtype=torch.int64)
+        self.nonspace = _nonspace(literal)
+        self.pre = torch.tensor(pre, dtype=bits)  # (V+1,)
+        self.mid = torch.tensor(mid, dtype=bits)  # (V+1,)
+        self.post = torch.tensor(post, dtype=bits)  # (V+1,)
+        # Shift amounts for `mid` tokens (all shorter than n); clamped so that no shift reaches the word size.
+        word = torch.iinfo(bits).bits - 1
+        self.length = torch.tensor([min(len(t), word) for t in texts] + [0], dtype=bits)  # (V+1,)
+        self.max_chain = self._longest_mid_chain(texts, literal, mid)
+        cpu = _LiteralOnDevice(*(getattr(self, f) for f in self._NAMES))
+        self._on: dict[torch.device, _LiteralOnDevice] = {torch.device("cpu"): cpu}
+
+    @staticmethod
+    def _longest_mid_chain(texts: list[str], literal: str, mid: list[int]) -> int:
+        """Most ``mid`` tokens one match can pass through (longest path over states ``1 .. n-1``)."""
+        n = len(literal)
+        by_state: dict[int, set[int]] = {}
+        for i, bits in enumerate(mid[:-1]):
+            if bits:
+                for j in range(1, n - 1):
+                    if (bits >> j) & 1:
+                        by_state.setdefault(j, set()).add(len(texts[i]))
+        longest = [0] * (n + 1)
+        for j in range(n - 1, 0, -1):
+            longest[j] = max((1 + longest[j + s] for s in by_state.get(j, ()) if j + s < n), default=0)
+        return max(longest)
+
+    _NAMES = ("full_after", "full_count", "full_nonspace", "pre", "mid", "post", "length", "suffix_nonspace")
+
+    def on(self, device: torch.device) -> _LiteralOnDevice:
+        """The tables on ``device`` (the CPU ones are the originals; others copied once and cached)."""
+        found = self._on.get(device)
+        if found is None:
+            found = _LiteralOnDevice(*(getattr(self, f).to(device) for f in self._NAMES))
+            self._on[device] = found
+        return found
+
+
+@dataclass
+class _LiteralOnDevice:
+    full_after: torch.Tensor
+    full_count: torch.Tensor
+    full_nonspace: torch.Tensor
+    pre: torch.Tensor
+    mid: torch.Tensor
+    post: torch.Tensor
+    length: torch.Tensor
+    suffix_nonspace: torch.Tensor
+
+
+@dataclass
+class LiteralHits:
+    """Where a literal ends, per token (``(B, L)`` tensors); details are read only where asked."""
+
+    n: int  # the literal's length
+    event: torch.Tensor  # bool: an occurrence ends inside this token
+    ends: torch.Tensor  # int bitmask: bit j = an occurrence that had consumed S[:j] before this token ends here
+    tokens: torch.Tensor  # the (mapped) token ids searched
+    tables: _LiteralOnDevice
+
+    def _at(self, index: torch.Tensor):
+        token = self.tokens.gather(1, index[:, None])[:, 0]  # (B,)
+        ends = self.ends.gather(1, index[:, None])[:, 0].to(torch.int64)  # (B,)
+        lowest = ends & -ends  # the smallest j ends latest in the token
+        j_min = torch.log2(lowest.clamp(min=1).to(torch.float64)).to(torch.int64)  # exact for powers of two
+        full = self.tables.full_after.index_select(0, token).to(torch.int64)  # (B,) 0: no occurrence inside
+        return token, ends != 0, j_min, full
+
+    def offset_at(self, index: torch.Tensor) -> torch.Tensor:
+        """Character offset, within token ``index[b]``, just after the last occurrence ending there. # (B,)"""
+        _, has_post, j_min, full = self._at(index)
+        return torch.where(full > 0, full, torch.where(has_post, self.n - j_min, 0))
+
+    def nonspace_before_at(self, index: torch.Tensor) -> torch.Tensor:
+        """Non-whitespace characters of token ``index[b]`` before that offset. # (B,)"""
+        token, has_post, j_min, full = self._at(index)
+        inside = self.tables.full_nonspace.index_select(0, token).to(torch.int64)
+        suffix = self.tables.suffix_nonspace.index_select(0, j_min.clamp(0, self.n))
+        return torch.where(full > 0, inside, torch.where(has_post, suffix, 0))
+
+    def count(self) -> torch.Tensor:
+        """Occurrences ending in each token. # (B, L) int64"""
+        full_count = self.tables.full_count.index_select(0, self.tokens.reshape(-1)).view(self.tokens.shape)
+        return full_count.to(torch.int64) + (self.ends != 0).to(torch.int64)
+
+
+def find_literal(tokens: torch.Tensor, tables: LiteralTables) -> LiteralHits:
+    """Occurrences of ``tables.literal`` in ``tokens`` (ids already mapped to ``[0, V]``, null = V). # (B, L)"""
+    t = tables.on(tokens.device)
+    flat = tokens.reshape(-1)
+
+    def take(table):  # table[tokens], (B, L)
+        return table.index_select(0, flat).view(tokens.shape)
+
+    pre, mid, length = take(t.pre), take(t.mid), take(t.length)  # (B, L) each
+    state = pre  # partial matches alive at the end of each token
+    for _ in range(tables.max_chain):
+        before = torch.nn.functional.pad(state[:, :-1], (1, 0))  # (B, L) state at the start of each token
+        state = pre | torch.bitwise_left_shift(before & mid, length)
+    before = torch.nn.functional.pad(state[:, :-1], (1, 0))  # (B, L)
+    ends = before & take(t.post)  # (B, L) bit j: a match that had consumed S[:j] ends in this token
+    event = (take(t.full_after) > 0) | (ends != 0)
+    return LiteralHits(tables.n, event, ends, tokens, t)

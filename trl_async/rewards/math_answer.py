@@ -1,0 +1,478 @@
+r"""Math answer reward: read the *final* answer from token ids, parse it as a number on the tensor, compare.
+
+:class:`MathAnswerReward` pays 1.0 when the completion's final answer equals the target number, else 0.0:
+
+* ``answer_format="boxed"`` (default): the content of the **last** ``\boxed{...}`` before the first EOS. The content
+  must be one number, optionally with ``$``/``\$``, whitespace and LaTeX spacing (``\,``, ``\;``, ``\!``) around it:
+  ``\boxed{-3.5}``, ``\boxed{\$1,000}``, ``$\boxed{72}$``, ``\boxed{{72}}``; an optional ``x =`` before it, an
+  optional ``%`` and an optional unit group without digits after it (``\boxed{18 \text{ dollars}}``). Anything else
+  (``\frac``, a number inside ``\text{}``, letters, a second number) is not a number: reward 0. An unclosed last box
+  (truncation) is 0.
+* ``answer_format="hash"``: the number right after the **last** ``####`` (GSM8K's convention), optionally preceded
+  by whitespace, ``$`` and a sign; it ends at the first character that is not a digit, ``,`` or ``.``, and trailing
+  ``.``/``,`` are punctuation (``#### 72.`` reads 72). Text after it is ignored; text between ``####`` and the
+  number (``#### The answer is 72``) is not an answer.
+* ``answer_format="last_number"``: the last run of ``[0-9.,]`` holding a digit (leading commas and trailing ``.``/``,``
+  dropped), negative when an immediately preceding ``-`` (``$`` allowed between) does not follow a letter or digit.
+
+A number is ``[+-]? int? (. digits)?`` with at least one digit, at most 18 digits, and either no commas or commas
+every three digits of the integer part (``1,234,567.25``); ``1,0000``, ``12,34``, ``5.``, ``1.2.3`` are not numbers.
+It is compared with the target as float64 with ``rel_tol``/``abs_tol`` (default: exact up to 1e-9 relative).
+
+The string functions :func:`final_answer` and :func:`parse_number` are the executable specification: the tensor path
+agrees with them exactly (tested), and with math-verify / GSM8K's regex on >= 99.5% of a 5,000-completion corpus.
+
+How the tensor path works (no decode, no per-sample loop, no host sync):
+
+1. Map ids after the first EOS (or outside the mask) to the null token; find the last ``\boxed{`` / ``####`` with the
+   literal automaton (:mod:`~trl_async.rewards.literal`), which sees the text however the tokenizer split it.
+2. Gather a window of ``max_answer_tokens`` tokens from there and expand each to its character codes with the
+   vocabulary tables (:mod:`~trl_async.rewards.vocab_tables`), so multi-digit tokens (``"250"``) and merged
+   punctuation (``' {-'``, ``'}.'``, ``'{\\'``) read like text; compact the characters to the left.
+3. Validate the grammar with prefix sums and compute the value with place values: ``mantissa = sum d * 10^rank``
+   (int64, exact), ``value = mantissa / 10^fraction_digits`` (one correctly rounded float64 division, the same value
+   Python's ``float()`` gives the target string).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .base import TensorReward, column_tensor
+from .literal import find_literal
+from .vocab_tables import (
+    BACKSLASH,
+    COMMA,
+    DIGIT,
+    DOLLAR,
+    DOT,
+    EQUALS,
+    LBRACE,
+    LETTER,
+    LOWER,
+    MINUS,
+    NUL,
+    OVERFLOW,
+    PERCENT,
+    PLUS,
+    RBRACE,
+    SPACE,
+    SPACING,
+    UPPER,
+    VocabTables,
+    char_code,
+)
+
+take = VocabTables.take
+
+ANSWER_FORMATS = ("boxed", "hash", "last_number")
+MAX_DIGITS = 18  # int64 mantissa stays exact
+
+# ---- the string specification -----------------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"[+-]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]*)(?:\.[0-9]+)?")
+_IGNORABLE = r"(?:\s|[$%]|\\[$%,;!:\s])"  # whitespace, $, %, their escapes, LaTeX spacing
+UNIT_COMMANDS = ("\\text{", "\\textrm{", "\\textbf{", "\\mbox{", "\\mathrm{")  # a unit group after the number
+_IN_BOX = r"(?:\s|[${}%]|\\[$%,;!:\s])"  # inside a box, LaTeX grouping braces are ignorable too
+_BOXED_CONTENT = re.compile(rf"(?:{_IN_BOX}*[A-Za-z]{_IN_BOX}*=)?{_IN_BOX}*([+-]?){_IN_BOX}*([0-9.,]*){_IN_BOX}*")
+_BARE_TARGET = re.compile(rf"{_IGNORABLE}*([+-]?){_IGNORABLE}*([0-9.,]*){_IGNORABLE}*")
+_HASH_CONTENT = re.compile(rf"{_IGNORABLE}*(?:([+-]){_IGNORABLE}*)?([0-9.,]+)")
+_RUN = re.compile(r"[0-9.,]+")
+
+
+def parse_number(body: str, negative: bool = False) -> float | None:
+    """The value of ``body`` under the number grammar (module docstring), or None."""
+    digits = sum(c.isascii() and c.isdigit() for c in body)
+    if not body or digits == 0 or digits > MAX_DIGITS or not _NUMBER.fullmatch(body):
+        return None
+    value = float(body.replace(",", ""))
+    return -value if negative else value
+
+
+def final_answer(text: str, answer_format: str = "boxed") -> float | None:
+    """The final answer of a completion's text as a number, or None: what the tensor path computes, on strings."""
+    if answer_format == "boxed":
+        start = text.rfind("\\boxed{")
+        if start < 0:
+            return None
+        rest = text[start + len("\\boxed{") :]
+        depth, close = 0, -1
+        for i, ch in enumerate(rest):  # the matching closing brace
+            depth += (ch == "{") - (ch == "}")
+            if depth < 0:
+                close = i
+                break
+        if close < 0:
+            return None
+        content = rest[:close]
+        unit = min((i for i in (content.find(c) for c in UNIT_COMMANDS) if i >= 0), default=len(content))
+        content, unit_text = content[:unit], content[unit:]
+        if any("0" <= c <= "9" for c in unit_text):
+            return None
+        match = _BOXED_CONTENT.fullmatch(content)
+        return parse_number(match.group(2), match.group(1) == "-") if match else None
+    if answer_format == "hash":
+        start = text.rfind("####")
+        if start < 0:
+            return None
+        match = _HASH_CONTENT.match(text, start + 4)
+        if not match:
+            return None
+        return parse_number(match.group(2).rstrip(".,"), match.group(1) == "-")
+    if answer_format == "last_number":
+        runs = [m for m in _RUN.finditer(text) if any("0" <= c <= "9" for c in m.group())]
+        if not runs:
+            return None
+        run = runs[-1].group()
+        body = run[: max(i for i, c in enumerate(run) if "0" <= c <= "9") + 1].lstrip(",")
+        begin = runs[-1].start() + len(run) - len(run.lstrip(","))  # where the body starts
+        before = re.sub(r"\\?\$$", "", text[:begin])
+        negative = before.endswith("-") and not (len(before) > 1 and (before[-2].isalpha() or before[-2].isdigit()))
+        return parse_number(body, negative)
+    raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}.")
+
+
+@functools.lru_cache(maxsize=65536)
+def target_value(target: Any) -> float:
+    """A dataset target as a float (NaN when it has none): a number, ``"1,000"``, ``"-3.5"``, a GSM8K solution
+    ending ``#### 72``, or a solution with a ``\\boxed{}`` answer."""
+    if isinstance(target, (int, float)) and not isinstance(target, bool):
+        return float(target)
+    text = str(target)
+    if "####" in text:
+        value = final_answer(text, "hash")
+    elif "\\boxed{" in text:
+        value = final_answer(text, "boxed")
+    else:
+        match = _BARE_TARGET.fullmatch(text.strip())
+        value = parse_number(match.group(2), match.group(1) == "-") if match else None
+    return math.nan if value is None else value
+
+
+# ---- the tensor path ----------------------------------------------------------------------------------------------
+
+
+class MathAnswerReward(TensorReward):
+    r"""1.0 when the final answer (last ``\boxed{}``, ``####`` line, or last number) equals the target number.
+
+    Args:
+        tokenizer: the policy's tokenizer (vocabulary tables are built once per tokenizer and cached).
+        answer_column: dataset column holding the target (a number, ``"1,000"``, or a GSM8K ``... #### 72``).
+        answer_format: ``"boxed"`` (default), ``"hash"`` or ``"last_number"`` (see the module docstring).
+        rel_tol, abs_tol: the comparison tolerance, ``|value - target| <= abs_tol + rel_tol * |target|``.
+        max_answer_tokens, max_answer_chars: how much text is read after the opener (before the last digit for
+            ``last_number``); a longer answer is not read (reward 0).
+        token_chars: characters kept per token in the tables (longer tokens are read conservatively: never a number).
+        eos_token_ids, name: see :class:`~trl_async.rewards.TensorReward`.
+
+    TRL: ``reward(prompts, completions, completion_ids, answer=[...])``; tensor: ``reward.score(ids, mask,
+    answer=[...] or (B,) tensor)``. :meth:`extract` returns the parsed answers themselves.
+    """
+
+    default_name = "math_answer"
+
+    def __init__(
+        self,
+        tokenizer,
+        answer_column: str = "answer",
+        answer_format: str = "boxed",
+        rel_tol: float = 1e-9,
+        abs_tol: float = 0.0,
+        max_answer_tokens: int = 24,
+        max_answer_chars: int = 64,
+        token_chars: int = 8,
+        eos_token_ids: Sequence[int] | None = None,
+        name: str | None = None,
+    ):
+        if answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}.")
+        if max_answer_tokens < 1 or max_answer_chars < 8:
+            raise ValueError(
+                f"Need max_answer_tokens >= 1 and max_answer_chars >= 8, got {max_answer_tokens}, {max_answer_chars}."
+            )
+        super().__init__(tokenizer, eos_token_ids, name)
+        self.answer_column = answer_column
+        self.answer_format = answer_format
+        self.rel_tol = rel_tol
+        self.abs_tol = abs_tol
+        self.window = max_answer_tokens
+        self.max_chars = max_answer_chars
+        self.tables = VocabTables.for_tokenizer(tokenizer, token_chars)
+        opener = {"boxed": "\\boxed{", "hash": "####", "last_number": None}[answer_format]
+        self.opener = self.tables.literal(opener) if opener else None
+
+    def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
+        if self.answer_column not in columns:
+            raise KeyError(
+                f"{self.__name__} needs the target column {self.answer_column!r}; got columns {sorted(columns)}. "
+                "Pass `answer_column=` to read another one."
+            )
+        value, found = self.extract(completion_ids, completion_mask)  # (B,), (B,)
+        target = column_tensor(columns[self.answer_column], value.device, target_value, value.shape[0])  # (B,)
+        close = (value - target).abs() <= self.abs_tol + self.rel_tol * target.abs()  # NaN target -> False
+        return (found & close).to(torch.float32)
+
+    def extract(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor):
+        """The final answers: ``(value (B,) float64, found (B,) bool)``; value is 0 where nothing was found."""
+        keep = self.before_eos(completion_ids, completion_mask)  # (B, L)
+        tokens = self.tables.map_ids(completion_ids, keep)  # (B, L), null after EOS
+        n_valid = keep.sum(dim=1)  # (B,)
+        if self.answer_format == "last_number":
+            return self._last_number(tokens)
+        hits = find_literal(tokens, self.opener)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)  # (L,)
+        last = torch.where(hits.event, positions, -1).amax(dim=1)  # (B,) token where the last opener ends
+        has_opener = last >= 0
+        start = last.clamp(min=0)
+        offset = hits.offset_at(start)  # (B,) characters of that token before the content
+        codes, complete = self._window_after(tokens, start, offset)  # (B, N)
+        if self.answer_format == "boxed":
+            value, ok = _read_boxed(codes)
+        else:
+            value, ok = _read_hash(codes, text_ends_in_window=complete & (start + self.window >= n_valid))
+        return value, has_opener & ok
+
+    # ---- windows of character codes ------------------------------------------------------------------------------
+    def _window_after(self, tokens, start, offset):
+        """Codes of the text from character ``offset`` of token ``start`` on: ``window`` tokens, at most
+        ``max_chars`` characters. -> (B, N) int8 codes, (B,) bool: no character was cut off."""
+        t = self.tables.on(tokens.device)
+        width = self.tables.width
+        index = start[:, None] + torch.arange(self.window, device=tokens.device)  # (B, W)
+        inside = index < tokens.shape[1]
+        window = torch.where(inside, tokens.gather(1, index.clamp(max=tokens.shape[1] - 1)), self.tables.null_id)
+        first = take(t.chars_right, window[:, 0])  # (B, C) right-aligned: slot s is character len - C + s
+        length = take(t.length, window[:, 0]).to(torch.int64)  # (B,)
+        slots = torch.arange(width, device=tokens.device)  # (C,)
+        first = torch.where(slots >= (offset - length + width)[:, None], first, NUL)
+        rest = take(t.chars_left, window[:, 1:]).flatten(1)  # (B, (W-1)*C)
+        return _compact(torch.cat([first, rest], dim=1), self.max_chars, from_right=False)
+
+    def _last_number(self, tokens):
+        t = self.tables.on(tokens.device)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)  # (L,)
+        has_digit = take(t.digits, tokens) > 0  # (B, L)
+        last = torch.where(has_digit, positions, -1).amax(dim=1)  # (B,) last token holding a digit
+        found = last >= 0
+        first_index = last - self.window + 1  # (B,) may be negative: the window then starts before the text
+        index = first_index[:, None] + torch.arange(self.window, device=tokens.device)  # (B, W)
+        window = torch.where(index >= 0, tokens.gather(1, index.clamp(min=0)), self.tables.null_id)  # (B, W)
+        body = take(t.chars_right, window[:, :-1]).flatten(1)  # (B, (W-1)*C) tails of earlier tokens
+        tail = take(t.chars_left, window[:, -1])  # (B, C) head of the last digit token
+        codes, complete = _compact(torch.cat([body, tail], dim=1), self.max_chars, from_right=True)
+        value, ok = _read_last_number(codes, text_starts_in_window=complete & (first_index <= 0))
+        return value, found & ok & take(t.digits_visible, window[:, -1])
+
+
+# ---- character-level readers: (B, N) int8 codes, compacted (characters, then NUL padding) -------------------------
+
+
+def _compact(codes: torch.Tensor, keep: int, from_right: bool):
+    """Drop the NUL slots of each row, keeping order; keep the first (or, ``from_right``, the last) ``keep``
+    characters. -> (B, keep) codes (NUL-padded at the end, or at the start ``from_right``), (B,) bool: none cut."""
+    present = codes != NUL  # (B, N)
+    if from_right:
+        behind = present.flip(1).cumsum(dim=1).flip(1)  # characters from here to the end, this one included
+        target = keep - behind
+    else:
+        target = present.cumsum(dim=1) - 1
+    target = torch.where(present & (target >= 0) & (target < keep), target, keep)  # keep = the discard slot
+    out = torch.full((codes.shape[0], keep + 1), NUL, dtype=codes.dtype, device=codes.device)
+    return out.scatter_(1, target, codes)[:, :keep], present.sum(dim=1) <= keep
+
+
+def _is_digit(codes: torch.Tensor) -> torch.Tensor:
+    return (codes >= DIGIT) & (codes < DIGIT + 10)
+
+
+_HASH_BASE = 131
+
+
+def _command_hash(text: str) -> int:
+    return sum(char_code(ch) * _HASH_BASE**i for i, ch in enumerate(text))
+
+
+def _first_unit_command(codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Position of the first LaTeX command (``\\`` + a lowercase letter) when it is one of
+    :data:`UNIT_COMMANDS`, else N. Any other command before a unit group makes the content invalid anyway, so
+    looking at the first command only is exact. # (B, N) -> (B,)"""
+    n = codes.shape[1]
+    command = (codes == BACKSLASH) & (_shift(codes, -1, NUL) >= LOWER) & (_shift(codes, -1, NUL) < LOWER + 26)
+    first = torch.where(command, positions, n).amin(dim=1)  # (B,)
+    longest = max(len(c) for c in UNIT_COMMANDS)
+    index = (first[:, None] + torch.arange(longest, device=codes.device)).clamp(max=n - 1)  # (B, longest)
+    spelled = codes.gather(1, index).to(torch.int64)  # (B, longest) the characters from there
+    weights = _constant(codes.device, "hash")  # (longest,) 131^i
+    prefix = torch.cumsum(spelled * weights, dim=1)  # (B, longest) hash of the first k + 1 characters
+    known = torch.zeros_like(first, dtype=torch.bool)
+    for command in UNIT_COMMANDS:  # a fixed handful of spellings
+        known = known | (prefix[:, len(command) - 1] == _command_hash(command))
+    return torch.where(known, first, n)
+
+
+def _shift(x: torch.Tensor, by: int, fill) -> torch.Tensor:
+    """``out[:, i] = x[:, i - by]`` (``by > 0`` looks back, ``by < 0`` ahead), ``fill`` where out of range."""
+    if by > 0:
+        return torch.nn.functional.pad(x[:, :-by], (by, 0), value=fill)
+    return torch.nn.functional.pad(x[:, -by:], (0, -by), value=fill)
+
+
+def _classes(codes: torch.Tensor):
+    """Per character: ignorable (whitespace, ``$``, ``%`` and their escapes, LaTeX spacing), body, sign."""
+    prev, nxt = _shift(codes, 1, NUL), _shift(codes, -1, NUL)
+    escapable = (DOLLAR, COMMA, SPACING, SPACE, PERCENT)  # \$ \, \; \! \: \<space> \%
+    spacing = functools.reduce(torch.logical_or, [codes == c for c in escapable])
+    spacing_next = functools.reduce(torch.logical_or, [nxt == c for c in escapable])
+    escaped = (prev == BACKSLASH) & spacing & (_shift(codes, 2, NUL) != BACKSLASH)
+    plain = (codes == SPACE) | (codes == DOLLAR) | (codes == PERCENT)
+    ignorable = plain | ((codes == BACKSLASH) & spacing_next) | escaped
+    is_digit = _is_digit(codes)
+    body = (is_digit | (codes == COMMA) | (codes == DOT)) & ~ignorable
+    sign = (codes == MINUS) | (codes == PLUS)
+    return ignorable, body, sign, is_digit
+
+
+_POW10_INT = [10**k for k in range(MAX_DIGITS + 1)]
+
+
+def _make_constants() -> dict[str, torch.Tensor]:
+    longest = max(len(c) for c in UNIT_COMMANDS)
+    return {
+        "pow10": torch.tensor(_POW10_INT, dtype=torch.int64),
+        "pow10f": torch.tensor(_POW10_INT, dtype=torch.float64),
+        "hash": torch.tensor([_HASH_BASE**i for i in range(longest)], dtype=torch.int64),
+    }
+
+
+_CONSTANTS: dict = {(torch.device("cpu"), k): v for k, v in _make_constants().items()}
+
+
+def _constant(device: torch.device, name: str) -> torch.Tensor:
+    """Small constant tables (made on CPU at import, copied once per other device)."""
+    key = (device, name)
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = _CONSTANTS[key] = _CONSTANTS[(torch.device("cpu"), name)].to(device)
+    return found
+
+
+def _number(codes, body, is_digit, negative, positions):
+    """Validate the number grammar on a contiguous ``body`` span and compute its value. -> (B,) float64, (B,) bool"""
+    n = codes.shape[1]
+    first = torch.where(body, positions, n).amin(dim=1)  # (B,)
+    last = torch.where(body, positions, -1).amax(dim=1)  # (B,)
+    contiguous = body.sum(dim=1) == last - first + 1
+    first_code = codes.gather(1, first.clamp(max=n - 1)[:, None])[:, 0]
+    last_code = codes.gather(1, last.clamp(min=0)[:, None])[:, 0]
+    dots = body & (codes == DOT)
+    commas = body & (codes == COMMA)
+    digits = body & is_digit
+    dot = torch.where(dots, positions, n).amin(dim=1)  # (B,) n when there is no dot
+    int_end = torch.minimum(dot, last + 1)  # (B,)
+    int_part = body & (positions < int_end[:, None])
+    has_comma = commas.any(dim=1, keepdim=True)
+    comma_slot = ((int_end[:, None] - positions) % 4) == 0
+    grouped = ~(int_part & (commas != (has_comma & comma_slot))).any(dim=1)
+    n_digits = digits.sum(dim=1)
+    ok = (
+        contiguous
+        & (dots.sum(dim=1) <= 1)
+        & ~(commas & (positions > dot[:, None])).any(dim=1)
+        & grouped
+        & (first_code != COMMA)
+        & _is_digit(last_code)
+        & (n_digits >= 1)
+        & (n_digits <= MAX_DIGITS)
+    )
+    rank = (n_digits[:, None] - digits.cumsum(dim=1)).clamp(0, MAX_DIGITS)  # (B, N) digits to the right
+    pow10 = _constant(codes.device, "pow10")
+    place = pow10.index_select(0, rank.reshape(-1)).view(rank.shape)  # (B, N)
+    mantissa = torch.where(digits, (codes.to(torch.int64) - DIGIT) * place, 0).sum(dim=1)  # (B,) int64, exact
+    fraction = (digits & (positions > dot[:, None])).sum(dim=1).clamp(max=MAX_DIGITS)  # (B,)
+    value = mantissa.to(torch.float64) / _constant(codes.device, "pow10f").index_select(0, fraction)
+    return torch.where(negative, -value, value), ok
+
+
+def _read_boxed(codes: torch.Tensor):
+    """Codes start right after ``\\boxed{``: one number (plus ignorables, then optionally a ``\\text{unit}``
+    group without digits) up to the matching ``}``."""
+    ignorable, body, sign, is_digit = _classes(codes)
+    n = codes.shape[1]
+    positions = torch.arange(n, device=codes.device)  # (N,)
+    depth = torch.cumsum((codes == LBRACE).to(torch.int32) - (codes == RBRACE).to(torch.int32), dim=1)
+    closing = (codes == RBRACE) & (depth == -1)
+    close = torch.where(closing, positions, n).amin(dim=1)  # (B,)
+    unit_start = _first_unit_command(codes, positions)  # (B,)
+    number_zone = positions < torch.minimum(close, unit_start)[:, None]  # (B, N)
+    unit_zone = (positions >= unit_start[:, None]) & (positions < close[:, None])
+    ignorable = ignorable | (codes == LBRACE) | (codes == RBRACE)  # grouping braces: {72}
+    # an optional "x =" before the number: one ASCII letter, then "=", ignorables around
+    equals = torch.where(number_zone & (codes == EQUALS), positions, n).amin(dim=1)  # (B,) first "="
+    has_equals = equals < n
+    before_equals = number_zone & (positions < equals[:, None])
+    letter = (codes >= LOWER) & (codes < LOWER + 26) | (codes >= UPPER) & (codes < UPPER + 26)
+    prefix_ok = ~(before_equals & ~(ignorable | letter)).any(dim=1) & ((before_equals & letter).sum(dim=1) == 1)
+    number_zone = number_zone & (positions > torch.where(has_equals, equals, -1)[:, None])
+    body, sign = body & number_zone, sign & number_zone
+    stray = number_zone & ~(ignorable | body | sign)  # letters, other commands, "=", overflow, ...
+    first = torch.where(body, positions, n).amin(dim=1)
+    signs_before = (sign & (positions < first[:, None])).sum(dim=1)
+    value, ok = _number(codes, body, is_digit, (sign & (codes == MINUS)).any(dim=1), positions)
+    ok = ok & (close < n) & ~stray.any(dim=1) & (sign.sum(dim=1) == signs_before) & (signs_before <= 1)
+    ok = ok & ~(unit_zone & (is_digit | (codes == OVERFLOW))).any(dim=1) & (~has_equals | prefix_ok)
+    return value, ok
+
+
+def _read_hash(codes: torch.Tensor, text_ends_in_window: torch.Tensor):
+    """Codes start right after ``####``: ignorables and one sign, then a run of ``[0-9.,]`` (trailing ``.,`` cut)."""
+    ignorable, body, sign, is_digit = _classes(codes)
+    n = codes.shape[1]
+    positions = torch.arange(n, device=codes.device)  # (N,)
+    first = torch.where(body, positions, n).amin(dim=1)  # (B,) run start
+    before = positions < first[:, None]
+    prefix_ok = ~(before & ~(ignorable | sign)).any(dim=1) & ((before & sign).sum(dim=1) <= 1)
+    negative = (before & (codes == MINUS)).any(dim=1)
+    end = torch.where(~body & (positions > first[:, None]), positions, n).amin(dim=1)  # (B,) first after the run
+    stop = codes.gather(1, end.clamp(max=n - 1)[:, None])[:, 0]
+    seen_end = (end < n) & ((stop != NUL) | text_ends_in_window) & (stop != OVERFLOW)
+    in_run = (positions >= first[:, None]) & (positions < end[:, None])
+    last_digit = torch.where(in_run & is_digit, positions, -1).amax(dim=1)
+    number = in_run & (positions <= last_digit[:, None])
+    value, ok = _number(codes, number, is_digit, negative, positions)
+    return value, ok & prefix_ok & seen_end & (first < n)
+
+
+def _read_last_number(codes: torch.Tensor, text_starts_in_window: torch.Tensor):
+    """Codes (right-aligned) end with the last digit token: the last ``[0-9.,]`` run holding a digit, and an
+    optional ``-`` before it."""
+    n = codes.shape[1]
+    positions = torch.arange(n, device=codes.device)  # (N,)
+    is_digit = _is_digit(codes)
+    runnable = is_digit | (codes == COMMA) | (codes == DOT)
+    last_digit = torch.where(is_digit, positions, -1).amax(dim=1)  # (B,)
+    breaks = ~runnable & (positions < last_digit[:, None])
+    run_start = torch.where(breaks, positions, -1).amax(dim=1) + 1  # (B,)
+    body_start = torch.where((positions >= run_start[:, None]) & (codes != COMMA), positions, n).amin(dim=1)
+    body = (positions >= body_start[:, None]) & (positions <= last_digit[:, None])
+
+    def at(k):  # code at body_start - k (NUL before the window)
+        i = body_start - k
+        return torch.where(i >= 0, codes.gather(1, i.clamp(min=0)[:, None])[:, 0], NUL)
+
+    # "-5", "-$5", "-\$5": the minus, then what stands before it must not be a letter or a digit.
+    before = torch.stack([at(1), at(2), at(3), at(4)], dim=1)  # (B, 4)
+    dollar = (before[:, 0] == DOLLAR).to(torch.int64) * (1 + (before[:, 1] == BACKSLASH).to(torch.int64))  # 0-2
+    minus = before.gather(1, dollar[:, None])[:, 0] == MINUS
+    before_minus = before.gather(1, (dollar + 1)[:, None])[:, 0]
+    negative = minus & ~(_is_digit(before_minus) | (before_minus == LETTER) | (before_minus >= LOWER))
+    # The run (and what decides its sign) must be inside the window unless the text starts there.
+    first_char = torch.where(codes != NUL, positions, n).amin(dim=1)  # (B,) codes are right-aligned
+    seen_start = text_starts_in_window | ((run_start - first_char >= 5) & (before[:, 0] != OVERFLOW))
+    value, ok = _number(codes, body, is_digit, negative, positions)
+    return value, ok & seen_start & (last_digit >= 0)
