@@ -22,7 +22,18 @@ _EXPORTS = {
     "GenerationWorkerError": "generation_worker",
 }
 
-__all__ = [*_EXPORTS, "rewards"]
+__all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
+    "AsyncM2POConfig",
+    "AsyncM2POTrainer",
+    "GenerationWorker",
+    "GenerationWorkerError",
+    "RolloutGroup",
+    "VersionedReplayBuffer",
+    "rewards",
+    "second_moment_mask",
+]
 
 
 def __getattr__(name):  # lazy: `import trl_async` stays cheap and does not import torch/trl until needed

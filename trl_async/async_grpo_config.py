@@ -35,6 +35,13 @@ class AsyncGRPOConfig(GRPOConfig):
             Longest time the trainer waits for rollouts before raising a `TimeoutError` (it never hangs).
         worker_shutdown_timeout_s (`float`, *optional*, defaults to `60.0`):
             Longest time `train()` waits for the generation thread to stop when it returns or raises.
+        vllm_lora_sync (`str`, *optional*, defaults to `"merged"`):
+            `generation_backend="vllm"` with LoRA: `"merged"` pushes `W + delta` into the engine (slower sync, full-speed
+            generation); `"adapter"` loads the adapter as a vLLM LoRA request (30-60x faster sync, 2-3x slower
+            generation on CPU; `python -m trl_async.benchmarks.vllm_weight_sync`).
+        vllm_enforce_eager (`bool` or `None`, *optional*, defaults to `None`):
+            Disable vLLM's graph compilation/CUDA graphs. `None`: eager on CPU (a cold compile costs ~40 s), compiled on
+            GPU.
     """
 
     max_staleness: int = field(
@@ -68,8 +75,22 @@ class AsyncGRPOConfig(GRPOConfig):
         metadata={"help": "Seconds train() waits for the generation thread to stop."},
     )
 
+    vllm_lora_sync: str = field(
+        default="merged",
+        metadata={
+            "help": "vLLM + LoRA weight sync: 'merged' weights or 'adapter' LoRA requests.",
+            "choices": ["merged", "adapter"],
+        },
+    )
+    vllm_enforce_eager: bool | None = field(
+        default=None,
+        metadata={"help": "vLLM eager mode. None: eager on CPU, compiled on GPU."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
+        if self.vllm_lora_sync not in ("merged", "adapter"):
+            raise ValueError(f"vllm_lora_sync must be 'merged' or 'adapter', got {self.vllm_lora_sync!r}.")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0 (0 = synchronous on-policy), got {self.max_staleness}.")
         if self.weight_sync_steps < 1:

@@ -233,6 +233,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics = self._metrics["train"]
         metrics["timing/trainer_wait_s"].append(wait_s)
         metrics["timing/generation_s"].append(sum(calls.values()) / len(calls))
+        if self._worker.last_weight_load_s:
+            metrics["timing/weight_load_s"].append(self._worker.last_weight_load_s)
         metrics["buffer/size"].append(float(len(self._buffer)))
         metrics["buffer/evicted_stale"].append(float(self._buffer.evicted_stale))
         metrics["off_policy/staleness_mean"].append(sum(lags) / len(lags))
