@@ -240,7 +240,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics["off_policy/staleness_mean"].append(sum(lags) / len(lags))
         metrics["off_policy/staleness_max"].append(float(max(lags)))
         self._scoring_groups = groups
-        self._behaviour_is_active = max(lags) > 0 or not getattr(self._engine, "exact_behaviour_logps", False)
+        # Decided over all processes: TRL gathers inside the IS branch, so every rank must take the same branch.
+        needs_correction = max(lags) > 0 or not getattr(self._engine, "exact_behaviour_logps", False)
+        flag = torch.tensor([float(needs_correction)], device=self.accelerator.device)
+        self._behaviour_is_active = bool(gather(flag).max() > 0)
         return [group.row for group in groups for _ in range(self.num_generations)]
 
     def _tokenize_prompts(self, prompts: list):

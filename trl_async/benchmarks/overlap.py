@@ -13,14 +13,21 @@ so only side-by-side ratios mean something) and the table reports medians over r
   ``max_staleness=1``. ``async s=0``: ``AsyncGRPOTrainer`` at ``max_staleness=0`` (synchronous), all threads.
 * **overlap efficiency** = ``max(G@1, T@1) / step(async 1+1)``, with ``G@1``/``T@1`` from ``stock@1`` (the ideal
   for that thread split is the slower of the two phases); 100% = perfect overlap.
+* with ``--modes "stock+vllm" "async+vllm"`` (needs vLLM: ``.venv-vllm/bin/python -m trl_async.benchmarks.overlap``):
+  ``trl.GRPOTrainer(use_vllm=True, vllm_mode="colocate")`` against ``AsyncGRPOTrainer(generation_backend="vllm")``,
+  ``max_staleness=1``. On a CPU, TRL 1.16's colocate weight sync fails (``'Parameter' object has no attribute
+  'weight_loader'``), so the stock run syncs through the same in-place reload our engine uses; on a GPU it runs as is.
+  ``G`` for stock+vllm is TRL's own vLLM generate call.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +69,16 @@ def _timed_stock_trainer():
     return TimedGRPOTrainer
 
 
+def _patch_trl_colocate_sync_on_cpu() -> None:
+    if torch.cuda.is_available():
+        return
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from trl_async.engines.vllm_engine import load_named_weights
+
+    VLLMGeneration.sync_weights = lambda self: load_named_weights(self.llm, self._iter_named_params())
+
+
 def _build(model_name: str, num_threads: int):
     """Fresh model, tokenizer, dataset, reward and trainer settings for one run (same seed every time)."""
     from datasets import Dataset
@@ -80,7 +97,13 @@ def _build(model_name: str, num_threads: int):
             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
-        model, peft_config = Qwen2ForCausalLM(config), None
+        from trl_async.offline_assets import cache_dir
+
+        folder = cache_dir() / "bench-tiny-qwen2"  # a folder on disk: vLLM engines load from a path
+        if not (folder / "config.json").exists():
+            Qwen2ForCausalLM(config).save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+        model, peft_config = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), None
         settings = dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=32, learning_rate=1e-4)
     else:
         from trl_async.offline_assets import smollm2_135m_instruct
@@ -114,12 +137,27 @@ def run(model_name: str, mode: str, steps: int, all_threads: int) -> dict[str, f
 
     from trl_async import AsyncGRPOConfig, AsyncGRPOTrainer
 
-    threads = {"stock@1": 1, "stock@N": all_threads, "async 1+1": 1, "async s=0": all_threads}[mode]
+    threads = {"stock@1": 1, "stock@N": all_threads, "async 1+1": 1, "async s=0": all_threads}.get(mode, 1)
     torch.set_num_threads(threads)
     model, tokenizer, dataset, reward, peft_config, common = _build(model_name, threads)
     clock = _StepClock()
     with tempfile.TemporaryDirectory() as out:
-        if mode.startswith("stock"):
+        vllm = dict(vllm_gpu_memory_utilization=0.3, vllm_max_model_length=512)
+        if mode == "stock+vllm":
+            _patch_trl_colocate_sync_on_cpu()
+            trainer = _timed_stock_trainer()(
+                model, reward, args=trl.GRPOConfig(output_dir=out, max_steps=steps, use_vllm=True,
+                                                   vllm_mode="colocate", **vllm, **common),
+                train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config, callbacks=[clock],
+            )  # fmt: skip
+            trainer.generation_s = []
+        elif mode == "async+vllm":
+            trainer = AsyncGRPOTrainer(
+                model, reward, args=AsyncGRPOConfig(output_dir=out, max_steps=steps, generation_backend="vllm",
+                                                    vllm_mode="colocate", max_staleness=1, **vllm, **common),
+                train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config, callbacks=[clock],
+            )  # fmt: skip
+        elif mode.startswith("stock"):
             trainer = _timed_stock_trainer()(
                 model, reward, args=trl.GRPOConfig(output_dir=out, max_steps=steps, **common),
                 train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config, callbacks=[clock],
@@ -147,14 +185,28 @@ def run(model_name: str, mode: str, steps: int, all_threads: int) -> dict[str, f
     return {"G": g, "T": t, "step": step}
 
 
+def _run_in_subprocess(model_name: str, mode: str, steps: int) -> dict[str, float]:
+    """Each run gets a fresh process: torch's thread count is process-wide, and a vLLM engine keeps its memory."""
+    cmd = [sys.executable, "-m", "trl_async.benchmarks.overlap", "--single", model_name, mode, "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{model_name} / {mode} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (2 warm-up steps dropped)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["stock@1", "stock@N", "async 1+1", "async s=0"])
+    parser.add_argument("--single", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
     all_threads = os.cpu_count() or 1
+    if cli.single:  # one run in this (fresh) process; the parent reads the JSON line
+        print("RESULT " + json.dumps(run(cli.single[0], cli.single[1], cli.steps, all_threads)), flush=True)
+        return
     print(
         f"# overlap benchmark: {platform.processor() or platform.machine()}, {all_threads} CPU threads, "
         f"torch {torch.__version__}, {'GPU ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
@@ -164,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         results: dict[str, list[dict[str, float]]] = {m: [] for m in cli.modes}
         for repeat in range(cli.repeats):
             for mode in cli.modes:
-                results[mode].append(run(model_name, mode, cli.steps, all_threads))
+                results[mode].append(_run_in_subprocess(model_name, mode, cli.steps))
                 r = results[mode][-1]
                 print(f"  [{model_name} repeat {repeat + 1}] {mode:10s} G={r['G']:.2f}s T={r['T']:.2f}s step={r['step']:.2f}s",
                       file=sys.stderr, flush=True)  # fmt: skip
