@@ -106,9 +106,16 @@ def main(argv: list[str] | None = None) -> None:
                     flush=True,
                 )
 
+    last_completions: list = []
+
+    def boxed_format_sampled(completions, **kwargs):  # same reward; keeps the latest completions to show at the end
+        last_completions[:] = completions
+        return boxed_format(completions)
+
+    boxed_format_sampled.__name__ = "boxed_format"
     trainer = AsyncGRPOTrainer(
         model=model,
-        reward_funcs=[boxed_format, math_answer],
+        reward_funcs=[boxed_format_sampled, math_answer],
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -128,6 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         f"\nTrained {len(curve)} steps in {elapsed:.0f} s. Format reward: first {k} steps {first:.2f} -> last {k} "
         f"steps {last:.2f}. Correctness stays low: a 135M model cannot add reliably."
     )
+    for completion in last_completions[:3]:
+        print(
+            "  sample completion (last step):",
+            repr(completion[-1]["content"] if isinstance(completion, list) else completion),
+        )
     print(f"Curve: {out / 'reward_curve.png'}  Adapter: trainer.save_model() / recipes' push_to_hub for the Hub.")
 
 

@@ -93,13 +93,13 @@ def _build(model_name: str, num_threads: int):
 
         tokenizer = qwen2_tokenizer()
         config = Qwen2Config(
-            vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )  # fmt: skip
         from trl_async.offline_assets import cache_dir
 
-        folder = cache_dir() / "bench-tiny-qwen2"  # a folder on disk: vLLM engines load from a path
+        folder = cache_dir() / "bench-tiny-qwen2-h128"  # a folder on disk: vLLM engines load from a path
         if not (folder / "config.json").exists():
             Qwen2ForCausalLM(config).save_pretrained(folder)
             tokenizer.save_pretrained(folder)
@@ -198,7 +198,7 @@ def _run_in_subprocess(model_name: str, mode: str, steps: int) -> dict[str, floa
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=["tiny", "smollm2"])
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (2 warm-up steps dropped)")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (2 warm-up steps dropped)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", default=["stock@1", "stock@N", "async 1+1", "async s=0"])
     parser.add_argument("--single", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
