@@ -19,9 +19,13 @@ Each cell is the median of ``--repeats`` timed runs after one warm-up; samples/s
 ``--threads 2`` by default; on a 2-core machine that is busy with anything else, two OpenMP threads make every tensor
 op wait for a descheduled thread (erratic, up to 10x slower), so measure there with ``--threads 1``.
 
-Where the tensor path's time goes (CPU, B=256, L=512, 1 thread, ~5 ms): ~1 ms finding the last ``\\boxed{`` over the
-whole ``(B, L)`` batch (the literal automaton), ~0.5 ms EOS cut and id mapping, ~0.4 ms the window gather, ~2 ms
-reading the number on ``(B, 64)`` character codes, which at this size is ~200 small ops dominated by per-op dispatch.
+Where the tensor path's time goes (CPU, B=256, L=512, 1 thread, ~2.4 ms; was ~4.3 ms measured the same way):
+~0.75 ms one pass over the whole ``(B, L)`` batch (id clamp, one packed int32 table lookup per token carrying the
+``\\boxed{`` automaton tables and the EOS flag, five byte-wide automaton steps, first EOS and last opener as integer
+max/min reductions); ~0.3 ms the window gather, expansion to characters and compaction to ``(B, 64)`` codes; ~1.0 ms
+reading the number on those codes, ~150 small ops that are dispatch-bound (the same ~1 ms at B=64, so the tensor path
+costs ~1.4 ms at B=64, L=256 and ~8 ms at B=1024, L=512); ~0.1 ms the target column and the comparison. Beating the
+seed loop 10x here (~0.5 ms) would need the reader in far fewer ops (token-space reading, or a fused kernel).
 """
 
 from __future__ import annotations

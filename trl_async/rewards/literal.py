@@ -171,3 +171,83 @@ def find_literal(tokens: torch.Tensor, tables: LiteralTables) -> LiteralHits:
     ends = before & take(t.post)  # (B, L) bit j: a match that had consumed S[:j] ends in this token
     event = (take(t.full_after) > 0) | (ends != 0)
     return LiteralHits(tables.n, event, ends, tokens, t)
+
+
+# ---- one pass for "where does the last occurrence before the first EOS end" (short literals) ---------------------
+
+
+class PackedLiteral:
+    """The tables of a literal of at most 8 characters packed into one int32 per token, EOS flag included, for
+    :func:`last_literal`: one table lookup over ``(B, L)`` instead of one per field, then byte-wide automaton steps.
+
+    Rows are indexed by ``clamp(id, -1, V) + 1``: row 0 (negative ids) and row ``V + 1`` (ids ``>= V``) are null.
+    Byte 0: ``pre``; byte 1: ``mid``; byte 2: ``post``; byte 3: bits 0-3 the length of a ``mid`` token (else 0),
+    bit 4 ``full_after > 0``, bit 5 the token is an EOS.
+    """
+
+    MAX_N = 8  # bits 1 .. n-1 of the state fit in a byte
+
+    def __init__(self, tables: LiteralTables, vocab_size: int, eos_token_ids):
+        if tables.n > self.MAX_N:
+            raise ValueError(f"PackedLiteral needs a literal of at most {self.MAX_N} characters, got {tables.n}.")
+        self.tables = tables
+        self.n = tables.n
+        self.vocab_size = vocab_size
+        pre, mid, post = (getattr(tables, f)[:vocab_size].to(torch.int64) for f in ("pre", "mid", "post"))
+        length = torch.where(mid != 0, tables.length[:vocab_size].to(torch.int64), 0)
+        full = (tables.full_after[:vocab_size] > 0).to(torch.int64)
+        eos = torch.zeros(vocab_size, dtype=torch.int64)
+        for eos_id in eos_token_ids or ():
+            eos[eos_id] = 1
+        word = pre | (mid << 8) | (post << 16) | (length << 24) | (full << 28) | (eos << 29)
+        null = torch.zeros(1, dtype=torch.int64)
+        self.code = torch.cat([null, word, null]).to(torch.int32)  # (V+2,)
+        full_after = tables.full_after[:vocab_size].to(torch.int64)
+        self.full_after = torch.cat([null, full_after, null])  # (V+2,) by key
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {
+            torch.device("cpu"): (self.code, self.full_after)
+        }
+
+    def on(self, device: torch.device):
+        found = self._on.get(device)
+        if found is None:
+            found = self._on[device] = (self.code.to(device), self.full_after.to(device))
+        return found
+
+
+def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, max_chain: int):
+    """Where the last occurrence of the literal before the first EOS ends, in one pass over raw ids.
+
+    Same answer as mapping ids outside ``mask`` / the vocabulary / after the first EOS to the null token, running
+    :func:`find_literal` and taking the last event. -> ``key`` (B, L) int64 (``clamp(id, -1, V) + 1``; use with
+    ``keep``), ``first_eos`` (B,) int64 (L when none), ``last`` (B,) int64 token where it ends (-1: none),
+    ``offset`` (B,) int64 characters of that token before the text after the occurrence."""
+    code_table, full_after = packed.on(ids.device)
+    batch, length = ids.shape
+    key = ids.clamp(-1, packed.vocab_size).add_(1)  # (B, L) row of the packed table
+    code = code_table.index_select(0, key.reshape(-1)).view(batch, length) * mask  # (B, L) int32, null outside mask
+    pre = code.to(torch.uint8)
+    mid = (code >> 8).to(torch.uint8)
+    post = (code >> 16).to(torch.uint8)
+    flags = (code >> 24).to(torch.uint8)
+    shift = flags & 15
+    pad = torch.nn.functional.pad
+    state = pre  # partial matches alive at the end of each token (bit k: S[:k] consumed)
+    for _ in range(max_chain):
+        state = pre | torch.bitwise_left_shift(pad(state[:, :-1], (1, 0)) & mid, shift)
+    ends = pad(state[:, :-1], (1, 0)) & post  # (B, L) bit j: a match that had consumed S[:j] ends here
+    event = (ends | (flags & 16)).clamp_(max=1)  # (B, L) 0/1
+    small = torch.int16 if 2 * length < 2**15 else torch.int32  # position arithmetic in the narrowest type
+    positions = torch.arange(1, length + 1, device=ids.device, dtype=small)  # (L,) position + 1
+    not_eos = ((flags >> 5) ^ 1).to(small)  # (B, L) 0/1
+    first_eos = (not_eos * length + positions).amin(dim=1) - 1  # (B,) >= L when there is no EOS
+    first_eos = first_eos.clamp_(max=length)
+    before_eos = (positions - (first_eos + 1)[:, None]) >> (torch.iinfo(small).bits - 1)  # -1 before the EOS, else 0
+    last = ((event.to(small) * positions) & before_eos).amax(dim=1).to(torch.int64) - 1  # (B,) -1: none
+    at = last.clamp(min=0)[:, None]
+    ends_at = ends.gather(1, at)[:, 0].to(torch.int64)  # (B,)
+    lowest = ends_at & -ends_at  # the smallest j ends latest in the token
+    j_min = torch.log2(lowest.clamp(min=1).to(torch.float64)).to(torch.int64)  # exact for powers of two
+    full = full_after.index_select(0, key.gather(1, at)[:, 0])  # (B,) 0: no occurrence inside the token
+    offset = torch.where(full > 0, full, torch.where(ends_at != 0, packed.n - j_min, 0))
+    return key, first_eos.to(torch.int64), last, offset

@@ -25,10 +25,14 @@ agrees with them exactly (tested), and with math-verify / GSM8K's regex on >= 99
 How the tensor path works (no decode, no per-sample loop, no host sync):
 
 1. Map ids after the first EOS (or outside the mask) to the null token; find the last ``\boxed{`` / ``####`` with the
-   literal automaton (:mod:`~trl_async.rewards.literal`), which sees the text however the tokenizer split it.
+   literal automaton (:mod:`~trl_async.rewards.literal`), which sees the text however the tokenizer split it. For
+   openers of at most 8 characters this is one pass over the raw ids (:func:`~trl_async.rewards.literal.last_literal`:
+   one packed table lookup per token with the EOS flag folded in, byte-wide automaton steps, integer reductions).
 2. Gather a window of ``max_answer_tokens`` tokens from there and expand each to its character codes with the
    vocabulary tables (:mod:`~trl_async.rewards.vocab_tables`), so multi-digit tokens (``"250"``) and merged
    punctuation (``' {-'``, ``'}.'``, ``'{\\'``) read like text; compact the characters to the left.
+   Character classes come from one per-code bit table (``_Chars``), and first/last positions are int32
+   multiply-max reductions: on CPU this window is dispatch-bound, so the reader is written in few ops.
 3. Validate the grammar with prefix sums and compute the value with place values: ``mantissa = sum d * 10^rank``
    (int64, exact), ``value = mantissa / 10^fraction_digits`` (one correctly rounded float64 division, the same value
    Python's ``float()`` gives the target string).
@@ -45,7 +49,7 @@ from typing import Any
 import torch
 
 from .base import TensorReward, column_tensor
-from .literal import find_literal
+from .literal import PackedLiteral, find_literal, last_literal
 from .vocab_tables import (
     BACKSLASH,
     COMMA,
@@ -206,6 +210,10 @@ class MathAnswerReward(TensorReward):
         self.tables = VocabTables.for_tokenizer(tokenizer, token_chars)
         opener = {"boxed": "\\boxed{", "hash": "####", "last_number": None}[answer_format]
         self.opener = self.tables.literal(opener) if opener else None
+        eos = self.eos_token_ids or []
+        fast = self.opener is not None and self.opener.n <= PackedLiteral.MAX_N
+        fast = fast and all(0 <= e < self.tables.vocab_size for e in eos)
+        self.packed = PackedLiteral(self.opener, self.tables.vocab_size, eos) if fast else None
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
         if self.answer_column not in columns:
@@ -220,6 +228,8 @@ class MathAnswerReward(TensorReward):
 
     def extract(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor):
         """The final answers: ``(value (B,) float64, found (B,) bool)``; value is 0 where nothing was found."""
+        if self.packed is not None:
+            return self._extract_packed(completion_ids, completion_mask.bool())
         keep = self.before_eos(completion_ids, completion_mask)  # (B, L)
         tokens = self.tables.map_ids(completion_ids, keep)  # (B, L), null after EOS
         n_valid = keep.sum(dim=1)  # (B,)
@@ -238,18 +248,41 @@ class MathAnswerReward(TensorReward):
             value, ok = _read_hash(codes, text_ends_in_window=complete & (start + self.window >= n_valid))
         return value, has_opener & ok
 
+    def _extract_packed(self, ids: torch.Tensor, mask: torch.Tensor):
+        """:meth:`extract` for ``boxed`` / ``hash`` in one pass over the raw ids (:func:`last_literal`)."""
+        key, first_eos, last, offset = last_literal(ids, mask, self.packed, self.opener.max_chain)
+        length = ids.shape[1]
+        start = last.clamp(min=0)
+        index = start[:, None] + torch.arange(self.window, device=ids.device)  # (B, W)
+        clamped = index.clamp(max=length - 1)
+        token = key.gather(1, clamped) - 1  # (B, W) in [-1, V]
+        inside = (index < first_eos[:, None]) & mask.gather(1, clamped) & (token >= 0)  # (B, W)
+        window = torch.where(inside, token, self.tables.null_id)  # (B, W) V = null
+        codes, complete = self._window_codes(window, offset)
+        if self.answer_format == "boxed":
+            value, ok = _read_boxed(codes)
+        else:
+            positions = torch.arange(length, device=ids.device)
+            n_valid = (mask & (positions < first_eos[:, None])).sum(dim=1)
+            value, ok = _read_hash(codes, text_ends_in_window=complete & (start + self.window >= n_valid))
+        return value, (last >= 0) & ok
+
     # ---- windows of character codes ------------------------------------------------------------------------------
     def _window_after(self, tokens, start, offset):
         """Codes of the text from character ``offset`` of token ``start`` on: ``window`` tokens, at most
         ``max_chars`` characters. -> (B, N) int8 codes, (B,) bool: no character was cut off."""
-        t = self.tables.on(tokens.device)
-        width = self.tables.width
         index = start[:, None] + torch.arange(self.window, device=tokens.device)  # (B, W)
         inside = index < tokens.shape[1]
         window = torch.where(inside, tokens.gather(1, index.clamp(max=tokens.shape[1] - 1)), self.tables.null_id)
+        return self._window_codes(window, offset)
+
+    def _window_codes(self, window, offset):
+        """Codes of ``window`` (B, W) token ids from character ``offset`` of the first one on."""
+        t = self.tables.on(window.device)
+        width = self.tables.width
         first = take(t.chars_right, window[:, 0])  # (B, C) right-aligned: slot s is character len - C + s
         length = take(t.length, window[:, 0]).to(torch.int64)  # (B,)
-        slots = torch.arange(width, device=tokens.device)  # (C,)
+        slots = torch.arange(width, device=window.device)  # (C,)
         first = torch.where(slots >= (offset - length + width)[:, None], first, NUL)
         rest = take(t.chars_left, window[:, 1:]).flatten(1)  # (B, (W-1)*C)
         return _compact(torch.cat([first, rest], dim=1), self.max_chars, from_right=False)
@@ -276,6 +309,11 @@ class MathAnswerReward(TensorReward):
 def _compact(codes: torch.Tensor, keep: int, from_right: bool):
     """Drop the NUL slots of each row, keeping order; keep the first (or, ``from_right``, the last) ``keep``
     characters. -> (B, keep) codes (NUL-padded at the end, or at the start ``from_right``), (B,) bool: none cut."""
+    if not from_right:  # codes are >= 0 and NUL == 0: a scatter-max lets each character win over the NULs after it
+        seen = codes.bool().cumsum(dim=1)  # (B, N) characters up to here
+        target = (seen - 1).clamp_(0, keep)  # keep = the discard slot
+        out = torch.zeros((codes.shape[0], keep + 1), dtype=codes.dtype, device=codes.device)
+        return out.scatter_reduce_(1, target, codes, "amax")[:, :keep], seen[:, -1] <= keep
     present = codes != NUL  # (B, N)
     if from_right:
         behind = present.flip(1).cumsum(dim=1).flip(1)  # characters from here to the end, this one included
@@ -298,44 +336,104 @@ def _command_hash(text: str) -> int:
     return sum(char_code(ch) * _HASH_BASE**i for i, ch in enumerate(text))
 
 
-def _first_unit_command(codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _any(x: torch.Tensor) -> torch.Tensor:
+    """``x.any(dim=1)`` for a (B, N) bool tensor (a sum is several times faster on CPU). # (B,)"""
+    return x.sum(dim=1, dtype=torch.int32) > 0
+
+
+class _Positions:
+    """Character positions of a (B, N) window as int32 (reductions over int64 are several times slower on CPU), and
+    first / last True position of a mask as one multiply and one max (instead of ``where`` + ``amin``)."""
+
+    def __init__(self, n: int, device: torch.device):
+        self.n = n
+        self.at = torch.arange(n, device=device, dtype=torch.int32)  # (N,)
+        self.plus1 = self.at + 1
+        self.rev = n - self.at
+
+    def first(self, mask: torch.Tensor) -> torch.Tensor:
+        """Position of the first True per row, N where none. # (B, N) -> (B,) int32"""
+        return self.n - (mask * self.rev).amax(dim=1)
+
+    def last(self, mask: torch.Tensor) -> torch.Tensor:
+        """Position of the last True per row, -1 where none. # (B, N) -> (B,) int32"""
+        return (mask * self.plus1).amax(dim=1) - 1
+
+
+# Character classes: bit k of a per-code int32 table (one lookup per window, then an `&` per class used).
+(_ESCAPABLE, _PLAIN, _BACKSLASH, _DIGIT, _BODY_CHAR, _SIGN, _LBRACE, _RBRACE, _ASCII_LETTER, _LOWER, _EQUALS,
+ _DIGIT_OR_OVERFLOW, _MINUS, _DOT, _COMMA, _BRACE) = range(16)  # fmt: skip
+
+
+def _class_rows() -> list[int]:
+    rows = []
+    for c in range(128):
+        digit = DIGIT <= c < DIGIT + 10
+        lower = LOWER <= c < LOWER + 26
+        flags = [
+            c in (DOLLAR, COMMA, SPACING, SPACE, PERCENT),  # \$ \, \; \! \: \<space> \%
+            c in (SPACE, DOLLAR, PERCENT),
+            c == BACKSLASH,
+            digit,
+            digit or c in (COMMA, DOT),
+            c in (MINUS, PLUS),
+            c == LBRACE,
+            c == RBRACE,
+            lower or UPPER <= c < UPPER + 26,
+            lower,
+            c == EQUALS,
+            digit or c == OVERFLOW,
+            c == MINUS,
+            c == DOT,
+            c == COMMA,
+            c in (LBRACE, RBRACE),
+        ]  # fmt: skip
+        rows.append(sum(1 << k for k, flag in enumerate(flags) if flag))
+    return rows
+
+
+class _Chars:
+    """The class bits of a (B, N) window of codes, padded by two NUL characters on the left and one on the right so
+    that the neighbours' classes are views."""
+
+    def __init__(self, codes: torch.Tensor):
+        self.n = codes.shape[1]
+        padded = torch.nn.functional.pad(codes, (2, 1), value=NUL)  # (B, N + 3)
+        table = _constant(codes.device, "classes")
+        bits = table.index_select(0, padded.reshape(-1).to(torch.int64)).view(padded.shape)  # (B, N + 3)
+        powers = _constant(codes.device, "class_bits")[:, None, None]  # (K, 1, 1) 1 << k
+        self.classes = (bits & powers).bool()  # (K, B, N + 3): every class at once
+
+    def __call__(self, k: int, shift: int = 0) -> torch.Tensor:
+        """Class ``k`` of the character at ``i - shift`` (False out of range). # (B, N) bool"""
+        return self.classes[k, :, 2 - shift : 2 - shift + self.n]
+
+
+def _first_unit_command(codes: torch.Tensor, pos: _Positions, chars: _Chars) -> torch.Tensor:
     """Position of the first LaTeX command (``\\`` + a lowercase letter) when it is one of
     :data:`UNIT_COMMANDS`, else N. Any other command before a unit group makes the content invalid anyway, so
     looking at the first command only is exact. # (B, N) -> (B,)"""
     n = codes.shape[1]
-    command = (codes == BACKSLASH) & (_shift(codes, -1, NUL) >= LOWER) & (_shift(codes, -1, NUL) < LOWER + 26)
-    first = torch.where(command, positions, n).amin(dim=1)  # (B,)
+    first = pos.first(chars(_BACKSLASH) & chars(_LOWER, -1))  # (B,)
     longest = max(len(c) for c in UNIT_COMMANDS)
     index = (first[:, None] + torch.arange(longest, device=codes.device)).clamp(max=n - 1)  # (B, longest)
     spelled = codes.gather(1, index).to(torch.int64)  # (B, longest) the characters from there
     weights = _constant(codes.device, "hash")  # (longest,) 131^i
     prefix = torch.cumsum(spelled * weights, dim=1)  # (B, longest) hash of the first k + 1 characters
-    known = torch.zeros_like(first, dtype=torch.bool)
-    for command in UNIT_COMMANDS:  # a fixed handful of spellings
-        known = known | (prefix[:, len(command) - 1] == _command_hash(command))
+    ends = _constant(codes.device, "unit_ends")  # (U,) len(command) - 1 per unit command
+    known = _any(prefix.index_select(1, ends) == _constant(codes.device, "unit_hashes"))  # (B,)
     return torch.where(known, first, n)
 
 
-def _shift(x: torch.Tensor, by: int, fill) -> torch.Tensor:
-    """``out[:, i] = x[:, i - by]`` (``by > 0`` looks back, ``by < 0`` ahead), ``fill`` where out of range."""
-    if by > 0:
-        return torch.nn.functional.pad(x[:, :-by], (by, 0), value=fill)
-    return torch.nn.functional.pad(x[:, -by:], (0, -by), value=fill)
-
-
-def _classes(codes: torch.Tensor):
+def _classes(chars: _Chars):
     """Per character: ignorable (whitespace, ``$``, ``%`` and their escapes, LaTeX spacing), body, sign."""
-    prev, nxt = _shift(codes, 1, NUL), _shift(codes, -1, NUL)
-    escapable = (DOLLAR, COMMA, SPACING, SPACE, PERCENT)  # \$ \, \; \! \: \<space> \%
-    spacing = functools.reduce(torch.logical_or, [codes == c for c in escapable])
-    spacing_next = functools.reduce(torch.logical_or, [nxt == c for c in escapable])
-    escaped = (prev == BACKSLASH) & spacing & (_shift(codes, 2, NUL) != BACKSLASH)
-    plain = (codes == SPACE) | (codes == DOLLAR) | (codes == PERCENT)
-    ignorable = plain | ((codes == BACKSLASH) & spacing_next) | escaped
-    is_digit = _is_digit(codes)
-    body = (is_digit | (codes == COMMA) | (codes == DOT)) & ~ignorable
-    sign = (codes == MINUS) | (codes == PLUS)
-    return ignorable, body, sign, is_digit
+    spacing = chars(_ESCAPABLE)
+    backslash = chars(_BACKSLASH)
+    escaped = chars(_BACKSLASH, 1) & spacing & ~chars(_BACKSLASH, 2)
+    ignorable = chars(_PLAIN) | (backslash & chars(_ESCAPABLE, -1)) | escaped
+    is_digit = chars(_DIGIT)
+    body = chars(_BODY_CHAR) & ~ignorable
+    return ignorable, body, chars(_SIGN), is_digit
 
 
 _POW10_INT = [10**k for k in range(MAX_DIGITS + 1)]
@@ -347,6 +445,10 @@ def _make_constants() -> dict[str, torch.Tensor]:
         "pow10": torch.tensor(_POW10_INT, dtype=torch.int64),
         "pow10f": torch.tensor(_POW10_INT, dtype=torch.float64),
         "hash": torch.tensor([_HASH_BASE**i for i in range(longest)], dtype=torch.int64),
+        "classes": torch.tensor(_class_rows(), dtype=torch.int32),
+        "class_bits": torch.tensor([1 << k for k in range(_BRACE + 1)], dtype=torch.int32),
+        "unit_ends": torch.tensor([len(c) - 1 for c in UNIT_COMMANDS], dtype=torch.int64),
+        "unit_hashes": torch.tensor([_command_hash(c) for c in UNIT_COMMANDS], dtype=torch.int64),
     }
 
 
@@ -362,28 +464,30 @@ def _constant(device: torch.device, name: str) -> torch.Tensor:
     return found
 
 
-def _number(codes, body, is_digit, negative, positions):
+def _number(codes, body, is_digit, negative, pos: _Positions, chars: _Chars):
     """Validate the number grammar on a contiguous ``body`` span and compute its value. -> (B,) float64, (B,) bool"""
     n = codes.shape[1]
-    first = torch.where(body, positions, n).amin(dim=1)  # (B,)
-    last = torch.where(body, positions, -1).amax(dim=1)  # (B,)
-    contiguous = body.sum(dim=1) == last - first + 1
-    first_code = codes.gather(1, first.clamp(max=n - 1)[:, None])[:, 0]
-    last_code = codes.gather(1, last.clamp(min=0)[:, None])[:, 0]
-    dots = body & (codes == DOT)
-    commas = body & (codes == COMMA)
+    positions = pos.at
+    first = pos.first(body)  # (B,)
+    last = pos.last(body)  # (B,)
+    contiguous = body.sum(dim=1, dtype=torch.int32) == last - first + 1
+    first_code = codes.gather(1, first.clamp(max=n - 1).long()[:, None])[:, 0]
+    last_code = codes.gather(1, last.clamp(min=0).long()[:, None])[:, 0]
+    dots = body & chars(_DOT)
+    commas = body & chars(_COMMA)
     digits = body & is_digit
-    dot = torch.where(dots, positions, n).amin(dim=1)  # (B,) n when there is no dot
+    dot = pos.first(dots)  # (B,) n when there is no dot
     int_end = torch.minimum(dot, last + 1)  # (B,)
     int_part = body & (positions < int_end[:, None])
-    has_comma = commas.any(dim=1, keepdim=True)
-    comma_slot = ((int_end[:, None] - positions) % 4) == 0
-    grouped = ~(int_part & (commas != (has_comma & comma_slot))).any(dim=1)
+    has_comma = _any(commas)[:, None]
+    comma_slot = ((int_end[:, None] - positions) & 3) == 0  # == % 4, also below 0
+    grouped = ~_any(int_part & (commas != (has_comma & comma_slot)))
     n_digits = digits.sum(dim=1)
+    after_dot = positions > dot[:, None]
     ok = (
         contiguous
-        & (dots.sum(dim=1) <= 1)
-        & ~(commas & (positions > dot[:, None])).any(dim=1)
+        & (dots.sum(dim=1, dtype=torch.int32) <= 1)
+        & ~_any(commas & after_dot)
         & grouped
         & (first_code != COMMA)
         & _is_digit(last_code)
@@ -393,8 +497,8 @@ def _number(codes, body, is_digit, negative, positions):
     rank = (n_digits[:, None] - digits.cumsum(dim=1)).clamp(0, MAX_DIGITS)  # (B, N) digits to the right
     pow10 = _constant(codes.device, "pow10")
     place = pow10.index_select(0, rank.reshape(-1)).view(rank.shape)  # (B, N)
-    mantissa = torch.where(digits, (codes.to(torch.int64) - DIGIT) * place, 0).sum(dim=1)  # (B,) int64, exact
-    fraction = (digits & (positions > dot[:, None])).sum(dim=1).clamp(max=MAX_DIGITS)  # (B,)
+    mantissa = (digits * (codes.to(torch.int64) - DIGIT) * place).sum(dim=1)  # (B,) int64, exact
+    fraction = (digits & after_dot).sum(dim=1).clamp(max=MAX_DIGITS)  # (B,)
     value = mantissa.to(torch.float64) / _constant(codes.device, "pow10f").index_select(0, fraction)
     return torch.where(negative, -value, value), ok
 
@@ -402,49 +506,53 @@ def _number(codes, body, is_digit, negative, positions):
 def _read_boxed(codes: torch.Tensor):
     """Codes start right after ``\\boxed{``: one number (plus ignorables, then optionally a ``\\text{unit}``
     group without digits) up to the matching ``}``."""
-    ignorable, body, sign, is_digit = _classes(codes)
+    chars = _Chars(codes)
+    ignorable, body, sign, is_digit = _classes(chars)
     n = codes.shape[1]
-    positions = torch.arange(n, device=codes.device)  # (N,)
-    depth = torch.cumsum((codes == LBRACE).to(torch.int32) - (codes == RBRACE).to(torch.int32), dim=1)
-    closing = (codes == RBRACE) & (depth == -1)
-    close = torch.where(closing, positions, n).amin(dim=1)  # (B,)
-    unit_start = _first_unit_command(codes, positions)  # (B,)
+    pos = _Positions(n, codes.device)
+    positions = pos.at
+    rbrace = chars(_RBRACE)
+    depth = torch.cumsum(chars(_LBRACE).to(torch.int8) - rbrace.to(torch.int8), dim=1, dtype=torch.int32)
+    close = pos.first(rbrace & (depth == -1))  # (B,) the matching closing brace
+    unit_start = _first_unit_command(codes, pos, chars)  # (B,)
     number_zone = positions < torch.minimum(close, unit_start)[:, None]  # (B, N)
     unit_zone = (positions >= unit_start[:, None]) & (positions < close[:, None])
-    ignorable = ignorable | (codes == LBRACE) | (codes == RBRACE)  # grouping braces: {72}
+    ignorable = ignorable | chars(_BRACE)  # grouping braces: {72}
     # an optional "x =" before the number: one ASCII letter, then "=", ignorables around
-    equals = torch.where(number_zone & (codes == EQUALS), positions, n).amin(dim=1)  # (B,) first "="
+    equals = pos.first(number_zone & chars(_EQUALS))  # (B,) first "="
     has_equals = equals < n
     before_equals = number_zone & (positions < equals[:, None])
-    letter = (codes >= LOWER) & (codes < LOWER + 26) | (codes >= UPPER) & (codes < UPPER + 26)
-    prefix_ok = ~(before_equals & ~(ignorable | letter)).any(dim=1) & ((before_equals & letter).sum(dim=1) == 1)
+    letter = chars(_ASCII_LETTER)
+    prefix_ok = ~_any(before_equals & ~(ignorable | letter)) & ((before_equals & letter).sum(dim=1) == 1)
     number_zone = number_zone & (positions > torch.where(has_equals, equals, -1)[:, None])
     body, sign = body & number_zone, sign & number_zone
     stray = number_zone & ~(ignorable | body | sign)  # letters, other commands, "=", overflow, ...
-    first = torch.where(body, positions, n).amin(dim=1)
+    first = pos.first(body)
     signs_before = (sign & (positions < first[:, None])).sum(dim=1)
-    value, ok = _number(codes, body, is_digit, (sign & (codes == MINUS)).any(dim=1), positions)
-    ok = ok & (close < n) & ~stray.any(dim=1) & (sign.sum(dim=1) == signs_before) & (signs_before <= 1)
-    ok = ok & ~(unit_zone & (is_digit | (codes == OVERFLOW))).any(dim=1) & (~has_equals | prefix_ok)
+    value, ok = _number(codes, body, is_digit, _any(sign & chars(_MINUS)), pos, chars)
+    ok = ok & (close < n) & ~_any(stray) & (sign.sum(dim=1) == signs_before) & (signs_before <= 1)
+    ok = ok & ~_any(unit_zone & chars(_DIGIT_OR_OVERFLOW)) & (~has_equals | prefix_ok)
     return value, ok
 
 
 def _read_hash(codes: torch.Tensor, text_ends_in_window: torch.Tensor):
     """Codes start right after ``####``: ignorables and one sign, then a run of ``[0-9.,]`` (trailing ``.,`` cut)."""
-    ignorable, body, sign, is_digit = _classes(codes)
+    chars = _Chars(codes)
+    ignorable, body, sign, is_digit = _classes(chars)
     n = codes.shape[1]
-    positions = torch.arange(n, device=codes.device)  # (N,)
-    first = torch.where(body, positions, n).amin(dim=1)  # (B,) run start
+    pos = _Positions(n, codes.device)
+    positions = pos.at
+    first = pos.first(body)  # (B,) run start
     before = positions < first[:, None]
-    prefix_ok = ~(before & ~(ignorable | sign)).any(dim=1) & ((before & sign).sum(dim=1) <= 1)
-    negative = (before & (codes == MINUS)).any(dim=1)
-    end = torch.where(~body & (positions > first[:, None]), positions, n).amin(dim=1)  # (B,) first after the run
-    stop = codes.gather(1, end.clamp(max=n - 1)[:, None])[:, 0]
+    prefix_ok = ~_any(before & ~(ignorable | sign)) & ((before & sign).sum(dim=1) <= 1)
+    negative = _any(before & chars(_MINUS))
+    end = pos.first(~body & (positions > first[:, None]))  # (B,) first after the run
+    stop = codes.gather(1, end.clamp(max=n - 1).long()[:, None])[:, 0]
     seen_end = (end < n) & ((stop != NUL) | text_ends_in_window) & (stop != OVERFLOW)
     in_run = (positions >= first[:, None]) & (positions < end[:, None])
-    last_digit = torch.where(in_run & is_digit, positions, -1).amax(dim=1)
+    last_digit = pos.last(in_run & is_digit)
     number = in_run & (positions <= last_digit[:, None])
-    value, ok = _number(codes, number, is_digit, negative, positions)
+    value, ok = _number(codes, number, is_digit, negative, pos, chars)
     return value, ok & prefix_ok & seen_end & (first < n)
 
 
@@ -452,18 +560,20 @@ def _read_last_number(codes: torch.Tensor, text_starts_in_window: torch.Tensor):
     """Codes (right-aligned) end with the last digit token: the last ``[0-9.,]`` run holding a digit, and an
     optional ``-`` before it."""
     n = codes.shape[1]
-    positions = torch.arange(n, device=codes.device)  # (N,)
-    is_digit = _is_digit(codes)
-    runnable = is_digit | (codes == COMMA) | (codes == DOT)
-    last_digit = torch.where(is_digit, positions, -1).amax(dim=1)  # (B,)
+    chars = _Chars(codes)
+    pos = _Positions(n, codes.device)
+    positions = pos.at
+    is_digit = chars(_DIGIT)
+    runnable = chars(_BODY_CHAR)
+    last_digit = pos.last(is_digit)  # (B,)
     breaks = ~runnable & (positions < last_digit[:, None])
-    run_start = torch.where(breaks, positions, -1).amax(dim=1) + 1  # (B,)
-    body_start = torch.where((positions >= run_start[:, None]) & (codes != COMMA), positions, n).amin(dim=1)
+    run_start = pos.last(breaks) + 1  # (B,)
+    body_start = pos.first((positions >= run_start[:, None]) & ~chars(_COMMA))
     body = (positions >= body_start[:, None]) & (positions <= last_digit[:, None])
 
     def at(k):  # code at body_start - k (NUL before the window)
         i = body_start - k
-        return torch.where(i >= 0, codes.gather(1, i.clamp(min=0)[:, None])[:, 0], NUL)
+        return torch.where(i >= 0, codes.gather(1, i.clamp(min=0).long()[:, None])[:, 0], NUL)
 
     # "-5", "-$5", "-\$5": the minus, then what stands before it must not be a letter or a digit.
     before = torch.stack([at(1), at(2), at(3), at(4)], dim=1)  # (B, 4)
@@ -472,7 +582,7 @@ def _read_last_number(codes: torch.Tensor, text_starts_in_window: torch.Tensor):
     before_minus = before.gather(1, (dollar + 1)[:, None])[:, 0]
     negative = minus & ~(_is_digit(before_minus) | (before_minus == LETTER) | (before_minus >= LOWER))
     # The run (and what decides its sign) must be inside the window unless the text starts there.
-    first_char = torch.where(codes != NUL, positions, n).amin(dim=1)  # (B,) codes are right-aligned
+    first_char = pos.first(codes != NUL)  # (B,) codes are right-aligned
     seen_start = text_starts_in_window | ((run_start - first_char >= 5) & (before[:, 0] != OVERFLOW))
-    value, ok = _number(codes, body, is_digit, negative, positions)
+    value, ok = _number(codes, body, is_digit, negative, pos, chars)
     return value, ok & seen_start & (last_digit >= 0)
