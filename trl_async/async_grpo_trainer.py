@@ -151,7 +151,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             initial_version=start_version,
             num_threads=args.generation_num_threads,
         )
-        self._worker.start()
+        if args.max_staleness > 0:
+            self._worker.start()  # at max_staleness=0 the trainer calls `generate_inline` instead (no overlap possible)
 
     def _stop_worker(self) -> None:
         worker, self._worker = self._worker, None
@@ -219,6 +220,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         num_groups = args.per_device_train_batch_size * args.steps_per_generation // self.num_generations
         trainer_version = self.state.global_step
         start = time.perf_counter()
+        if args.max_staleness == 0:
+            self._worker.generate_inline()
         try:
             groups = self._buffer.get(
                 num_groups, trainer_version, timeout=args.generation_timeout_s, on_wait=self._worker.raise_if_failed
