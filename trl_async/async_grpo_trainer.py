@@ -50,6 +50,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "trl_async", "async-grpo"]
+    _config_class = AsyncGRPOConfig  # subclasses that need a richer config override this
 
     def __init__(
         self,
@@ -68,13 +69,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
         rollout_func=None,
         environment_factory=None,
     ):
+        config_class, trainer_name = self._config_class, type(self).__name__
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
-            args = AsyncGRPOConfig(f"{str(name).split('/')[-1]}-AsyncGRPO")
-        if not isinstance(args, AsyncGRPOConfig):
+            args = config_class(f"{str(name).split('/')[-1]}-{trainer_name.removesuffix('Trainer')}")
+        if not isinstance(args, config_class):
             raise TypeError(
-                f"AsyncGRPOTrainer needs an AsyncGRPOConfig, got {type(args).__name__}. Build it with the same "
-                "arguments: AsyncGRPOConfig(**your_grpo_config.to_dict()) keeps every GRPO setting."
+                f"{trainer_name} needs an {config_class.__name__}, got {type(args).__name__}. Build it with the same "
+                f"arguments: {config_class.__name__}(**your_config.to_dict()) keeps every other setting."
             )
         unsupported = {"tools": tools, "rollout_func": rollout_func, "environment_factory": environment_factory}
         for name, value in unsupported.items():
@@ -290,7 +292,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     # ---- tensor-native rewards ------------------------------------------------------------------------------------
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        from .rewards.base import TensorReward
+        from .rewards.base import TensorReward, pad_right
 
         tensor_idx = [i for i, f in enumerate(self.reward_funcs) if isinstance(f, TensorReward)]
         if not tensor_idx:
@@ -298,7 +300,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         other_idx = [i for i in range(len(self.reward_funcs)) if i not in tensor_idx]
         device = self.accelerator.device
         columns = {k: [x[k] for x in inputs] for k in inputs[0] if k not in ("prompt", "completion", "completion_ids")}
-        completion_ids, completion_mask = _pad_right(completion_ids_list, self._tokenizer.pad_token_id, device)
+        completion_ids, completion_mask = (
+            t.to(device) for t in pad_right(completion_ids_list, self._tokenizer.pad_token_id)
+        )
         local = torch.zeros(len(prompts), len(self.reward_funcs), device=device)  # (B, num_funcs)
         for i in tensor_idx:
             scores = self.reward_funcs[i].score(completion_ids, completion_mask, **columns)  # (B,)
@@ -315,16 +319,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
             finally:
                 self.reward_funcs, self.reward_processing_classes, self.reward_func_names = saved
         return rewards
-
-
-def _pad_right(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max((len(r) for r in rows), default=0)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, L)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)  # (B, L)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        mask[i, : len(r)] = True
-    return ids.to(device), mask.to(device)
 
 
 def _raise_on_nan_tensor(values: torch.Tensor, names: list[str]) -> None:

@@ -54,17 +54,7 @@ class AsyncM2POTrainer(AsyncGRPOTrainer):
     :class:`AsyncM2POConfig`."""
 
     _tag_names = ["trl", "grpo", "trl_async", "async-grpo", "m2po"]
-
-    def __init__(self, model, reward_funcs=None, args: AsyncM2POConfig | None = None, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = AsyncM2POConfig(f"{str(name).split('/')[-1]}-AsyncM2PO")
-        if not isinstance(args, AsyncM2POConfig):
-            raise TypeError(
-                f"AsyncM2POTrainer needs an AsyncM2POConfig, got {type(args).__name__}. Build it with the same "
-                "arguments: AsyncM2POConfig(**your_config.to_dict()) keeps every other setting."
-            )
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+    _config_class = AsyncM2POConfig
 
     @property
     def _uses_m2po_loss(self) -> bool:
