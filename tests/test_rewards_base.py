@@ -108,3 +108,65 @@ def test_literal_automaton_equals_str_find(which, qwen_tokenizer):
                 index = torch.tensor(got_tokens)
                 batch_hits = find_literal(tokens[b : b + 1].expand(len(index), -1), vocab.literal(literal))
                 assert batch_hits.offset_at(index).tolist() == [want[t] for t in got_tokens], (text, literal)
+
+
+@pytest.mark.parametrize("which", ["qwen", "smollm2"])
+def test_one_pass_last_literal_equals_the_automaton_on_any_token_split(which, qwen_tokenizer):
+    """`last_literal` (the packed one-pass search the math reward uses) gives what `find_literal` gives after
+    masking, on text split into tokens however a sampler might (single characters, odd merges), with EOS tokens,
+    holes in the mask and ids outside the vocabulary."""
+    from trl_async.rewards.literal import PackedLiteral, last_literal
+
+    tokenizer = qwen_tokenizer if which == "qwen" else smollm2_tokenizer()
+    vocab = VocabTables.for_tokenizer(tokenizer)
+    eos = tokenizer.eos_token_id
+    rng = random.Random(which)
+    pieces = ["\\boxed{", "\\", "b", "o", "x", "e", "d", "{", "bo", "xed", "ed{", "boxed", " \\", "$\\", "{\\", "}",
+              "####", "##", "#", " #", "72", " ", "\n", "so"]  # fmt: skip
+
+    def split(literal):  # the literal cut at random points (down to one character per token), parts tokenised alone
+        cuts = sorted(rng.sample(range(1, len(literal)), rng.randint(1, len(literal) - 1)))
+        return [literal[i:j] for i, j in zip([0] + cuts, cuts + [len(literal)])]
+
+    rows = []
+    for _ in range(400):
+        row = []
+        for _ in range(rng.randint(0, 24)):  # each piece tokenised alone: splits the tokenizer would not choose
+            parts = split(rng.choice(["\\boxed{", "####"])) if rng.random() < 0.15 else [rng.choice(pieces)]
+            for part in parts:
+                row += tokenizer(part, add_special_tokens=False).input_ids
+            if rng.random() < 0.04:
+                row.append(eos)
+            if rng.random() < 0.02:
+                row.append(rng.choice([-1, len(vocab.texts) + 7]))
+        rows.append(row)
+    # rows that end inside a literal (padded on the left), each right before a row that starts by finishing it
+    # (padded on the right): no match may run from one row into the next
+    width = max(len(r) for r in rows) + 8
+    filler = tokenizer("\n", add_special_tokens=False).input_ids
+    assert len(filler) == 1
+    rows = [r + filler * (width - len(r)) for r in rows]
+    for head, tail in [("\\box", "ed{"), ("\\", "boxed{"), ("##", "##"), ("\\bo", "x"), ("x", "ed{")]:
+        head_ids = tokenizer("so " + head, add_special_tokens=False).input_ids
+        tail_ids = tokenizer(tail + "1", add_special_tokens=False).input_ids
+        rows += [filler * (width - len(head_ids)) + head_ids, tail_ids + filler * (width - len(tail_ids))]
+    ids, mask = pad_right(rows, pad_id=0)
+    mask &= torch.rand(mask.shape, generator=torch.Generator().manual_seed(0)) > 0.05  # holes in the mask
+    reward = MathAnswerReward(tokenizer)  # for its EOS handling
+    keep = reward.before_eos(ids, mask)
+    tokens = vocab.map_ids(ids, keep)
+    positions = torch.arange(ids.shape[1])
+    is_eos = (ids == eos) & mask
+    want_first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), ids.shape[1])
+    for literal in ["\\boxed{", "####"]:
+        tables = vocab.literal(literal)
+        hits = find_literal(tokens, tables)
+        want_last = torch.where(hits.event, positions, -1).amax(dim=1)
+        want_offset = hits.offset_at(want_last.clamp(min=0))
+        packed = PackedLiteral(tables, vocab.vocab_size, [eos])
+        _, first_eos, last, offset = last_literal(ids, mask, packed, tables.max_chain)
+        assert torch.equal(last, want_last), literal
+        found = want_last >= 0
+        assert torch.equal(offset[found], want_offset[found]), literal
+        assert torch.equal(first_eos, want_first_eos), literal
+        assert 20 < int(found.sum()) < 380, literal  # both outcomes are exercised

@@ -219,31 +219,40 @@ def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, m
     """Where the last occurrence of the literal before the first EOS ends, in one pass over raw ids.
 
     Same answer as mapping ids outside ``mask`` / the vocabulary / after the first EOS to the null token, running
-    :func:`find_literal` and taking the last event. -> ``key`` (B, L) int64 (``clamp(id, -1, V) + 1``; use with
-    ``keep``), ``first_eos`` (B,) int64 (L when none), ``last`` (B,) int64 token where it ends (-1: none),
-    ``offset`` (B,) int64 characters of that token before the text after the occurrence."""
+    :func:`find_literal` and taking the last event. -> ``key`` (B, L) int32 (``clamp(id, -1, V) + 1``; use with
+    ``mask``), ``first_eos`` (B,) int64 (L when none), ``last`` (B,) int64 token where it ends (-1:
+    none), ``offset`` (B,) int64 characters of that token before the text after the occurrence.
+
+    Written for the CPU's per-op costs: the (B, L) work is byte-wide or int16 arithmetic on contiguous tensors (about
+    25 ops); comparisons and ``where`` (bool outputs), ``argmax`` and int64 arithmetic are several times slower there.
+    """
     code_table, full_after = packed.on(ids.device)
     batch, length = ids.shape
-    key = ids.clamp(-1, packed.vocab_size).add_(1)  # (B, L) row of the packed table
-    code = code_table.index_select(0, key.reshape(-1)).view(batch, length) * mask  # (B, L) int32, null outside mask
-    pre = code.to(torch.uint8)
+    key = ids.to(torch.int32).add_(1).clamp_(0, packed.vocab_size + 1)  # (B, L) row of the packed table
+    code = code_table.index_select(0, key.view(-1)) * mask.view(-1)  # (B*L,) int32, null outside the mask
+    pre = code.to(torch.uint8)  # the byte fields, each (B*L,) contiguous
     mid = (code >> 8).to(torch.uint8)
     post = (code >> 16).to(torch.uint8)
     flags = (code >> 24).to(torch.uint8)
     shift = flags & 15
-    pad = torch.nn.functional.pad
-    state = pre  # partial matches alive at the end of each token (bit k: S[:k] consumed)
-    for _ in range(max_chain):
-        state = pre | torch.bitwise_left_shift(pad(state[:, :-1], (1, 0)) & mid, shift)
-    ends = pad(state[:, :-1], (1, 0)) & post  # (B, L) bit j: a match that had consumed S[:j] ends here
-    event = (ends | (flags & 16)).clamp_(max=1)  # (B, L) 0/1
-    small = torch.int16 if 2 * length < 2**15 else torch.int32  # position arithmetic in the narrowest type
+    # The rows run on one flat sequence: a row's first token continues no match from the row before.
+    mid.view(batch, length)[:, 0] = 0
+    post.view(batch, length)[:, 0] = 0
+    state = torch.empty(batch * length + 1, dtype=torch.uint8, device=ids.device)  # state[i]: before token i
+    state[0] = 0
+    state[1:] = pre  # partial matches alive after each token (bit k: S[:k] consumed)
+    step = torch.empty_like(pre)
+    for _ in range(max_chain):  # a chain of `mid` tokens advances one token per round
+        torch.bitwise_and(state[:-1], mid, out=step)
+        torch.bitwise_or(step.bitwise_left_shift_(shift), pre, out=state[1:])
+    ends = (state[:-1] & post).view(batch, length)  # bit j: a match that had consumed S[:j] ends in this token
+    event = (ends | (flags & 16).view(batch, length)).clamp_(max=1)  # (B, L) 0/1
+    eos = (flags >> 5).view(batch, length)  # (B, L) 0/1
+    small = torch.int16 if length < 2**14 else torch.int32  # position arithmetic in the narrowest type
     positions = torch.arange(1, length + 1, device=ids.device, dtype=small)  # (L,) position + 1
-    not_eos = ((flags >> 5) ^ 1).to(small)  # (B, L) 0/1
-    first_eos = (not_eos * length + positions).amin(dim=1) - 1  # (B,) >= L when there is no EOS
-    first_eos = first_eos.clamp_(max=length)
+    first_eos = length - (eos * (length + 1 - positions)).amax(dim=1)  # (B,) L when there is no EOS
     before_eos = (positions - (first_eos + 1)[:, None]) >> (torch.iinfo(small).bits - 1)  # -1 before the EOS, else 0
-    last = ((event.to(small) * positions) & before_eos).amax(dim=1).to(torch.int64) - 1  # (B,) -1: none
+    last = ((event * positions) & before_eos).amax(dim=1).to(torch.int64) - 1  # (B,) -1: none
     at = last.clamp(min=0)[:, None]
     ends_at = ends.gather(1, at)[:, 0].to(torch.int64)  # (B,)
     lowest = ends_at & -ends_at  # the smallest j ends latest in the token

@@ -342,14 +342,27 @@ def _any(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Positions:
-    """Character positions of a (B, N) window as int32 (reductions over int64 are several times slower on CPU), and
-    first / last True position of a mask as one multiply and one max (instead of ``where`` + ``amin``)."""
+    """Character positions of a (B, N) window as int32 (reductions over int64 are several times slower on CPU), first
+    / last True position of a mask as one multiply and one max (instead of ``where`` + ``amin``), and the comma
+    slots of the number grammar as one row lookup. Made once per (N, device) and cached (:meth:`of`)."""
 
     def __init__(self, n: int, device: torch.device):
         self.n = n
         self.at = torch.arange(n, device=device, dtype=torch.int32)  # (N,)
         self.plus1 = self.at + 1
         self.rev = n - self.at
+        # row e (0 .. n): (e - position) % 4 == 0, where commas stand when an integer part ends at e
+        self.comma_slot = (torch.arange(n + 1, device=device)[:, None] - self.at) % 4 == 0  # (N + 1, N)
+
+    _cache: dict = {}
+
+    @classmethod
+    def of(cls, n: int, device: torch.device) -> _Positions:
+        """The (cached) positions of an ``n``-character window on ``device``."""
+        found = cls._cache.get((n, device))
+        if found is None:
+            found = cls._cache[(n, device)] = cls(n, device)
+        return found
 
     def first(self, mask: torch.Tensor) -> torch.Tensor:
         """Position of the first True per row, N where none. # (B, N) -> (B,) int32"""
@@ -358,6 +371,10 @@ class _Positions:
     def last(self, mask: torch.Tensor) -> torch.Tensor:
         """Position of the last True per row, -1 where none. # (B, N) -> (B,) int32"""
         return (mask * self.plus1).amax(dim=1) - 1
+
+    def lt(self, f: torch.Tensor) -> torch.Tensor:
+        """``position < f[b]``. # (B,) -> (B, N) bool"""
+        return self.at < f[:, None]
 
 
 # Character classes: bit k of a per-code int32 table (one lookup per window, then an `&` per class used).
@@ -467,7 +484,6 @@ def _constant(device: torch.device, name: str) -> torch.Tensor:
 def _number(codes, body, is_digit, negative, pos: _Positions, chars: _Chars):
     """Validate the number grammar on a contiguous ``body`` span and compute its value. -> (B,) float64, (B,) bool"""
     n = codes.shape[1]
-    positions = pos.at
     first = pos.first(body)  # (B,)
     last = pos.last(body)  # (B,)
     contiguous = body.sum(dim=1, dtype=torch.int32) == last - first + 1
@@ -478,12 +494,12 @@ def _number(codes, body, is_digit, negative, pos: _Positions, chars: _Chars):
     digits = body & is_digit
     dot = pos.first(dots)  # (B,) n when there is no dot
     int_end = torch.minimum(dot, last + 1)  # (B,)
-    int_part = body & (positions < int_end[:, None])
+    int_part = body & pos.lt(int_end)
     has_comma = _any(commas)[:, None]
-    comma_slot = ((int_end[:, None] - positions) & 3) == 0  # == % 4, also below 0
-    grouped = ~_any(int_part & (commas != (has_comma & comma_slot)))
-    n_digits = digits.sum(dim=1)
-    after_dot = positions > dot[:, None]
+    comma_slot = pos.comma_slot.index_select(0, int_end.long())  # (int_end - i) % 4 == 0
+    grouped = ~_any(int_part & (commas ^ (has_comma & comma_slot)))
+    n_digits = digits.sum(dim=1, dtype=torch.int32)
+    after_dot = ~pos.lt(dot + 1)
     ok = (
         contiguous
         & (dots.sum(dim=1, dtype=torch.int32) <= 1)
@@ -494,11 +510,11 @@ def _number(codes, body, is_digit, negative, pos: _Positions, chars: _Chars):
         & (n_digits >= 1)
         & (n_digits <= MAX_DIGITS)
     )
-    rank = (n_digits[:, None] - digits.cumsum(dim=1)).clamp(0, MAX_DIGITS)  # (B, N) digits to the right
+    rank = (n_digits[:, None] - digits.cumsum(dim=1, dtype=torch.int32)).clamp_(0, MAX_DIGITS)  # (B, N) to the right
     pow10 = _constant(codes.device, "pow10")
-    place = pow10.index_select(0, rank.reshape(-1)).view(rank.shape)  # (B, N)
-    mantissa = (digits * (codes.to(torch.int64) - DIGIT) * place).sum(dim=1)  # (B,) int64, exact
-    fraction = (digits & after_dot).sum(dim=1).clamp(max=MAX_DIGITS)  # (B,)
+    place = pow10.index_select(0, rank.view(-1)).view(rank.shape)  # (B, N) int64
+    mantissa = (((codes - DIGIT) * digits) * place).sum(dim=1)  # (B,) int64, exact
+    fraction = (digits & after_dot).sum(dim=1, dtype=torch.int32).clamp_(max=MAX_DIGITS).long()  # (B,)
     value = mantissa.to(torch.float64) / _constant(codes.device, "pow10f").index_select(0, fraction)
     return torch.where(negative, -value, value), ok
 
@@ -509,26 +525,25 @@ def _read_boxed(codes: torch.Tensor):
     chars = _Chars(codes)
     ignorable, body, sign, is_digit = _classes(chars)
     n = codes.shape[1]
-    pos = _Positions(n, codes.device)
-    positions = pos.at
-    rbrace = chars(_RBRACE)
-    depth = torch.cumsum(chars(_LBRACE).to(torch.int8) - rbrace.to(torch.int8), dim=1, dtype=torch.int32)
-    close = pos.first(rbrace & (depth == -1))  # (B,) the matching closing brace
+    pos = _Positions.of(n, codes.device)
+    delta = chars(_LBRACE).view(torch.int8) - chars(_RBRACE).view(torch.int8)  # (B, N) +1 "{", -1 "}"
+    depth = torch.cumsum(delta, dim=1, dtype=torch.int32)  # steps of one: it first goes below 0 at the closing "}"
+    close = n - ((depth >> 31) & pos.rev).amax(dim=1)  # (B,) the matching closing brace, N when none
     unit_start = _first_unit_command(codes, pos, chars)  # (B,)
-    number_zone = positions < torch.minimum(close, unit_start)[:, None]  # (B, N)
-    unit_zone = (positions >= unit_start[:, None]) & (positions < close[:, None])
+    number_zone = pos.lt(torch.minimum(close, unit_start))  # (B, N)
+    unit_zone = pos.lt(close) & ~pos.lt(unit_start)
     ignorable = ignorable | chars(_BRACE)  # grouping braces: {72}
     # an optional "x =" before the number: one ASCII letter, then "=", ignorables around
     equals = pos.first(number_zone & chars(_EQUALS))  # (B,) first "="
     has_equals = equals < n
-    before_equals = number_zone & (positions < equals[:, None])
+    before_equals = number_zone & pos.lt(equals)
     letter = chars(_ASCII_LETTER)
     prefix_ok = ~_any(before_equals & ~(ignorable | letter)) & ((before_equals & letter).sum(dim=1) == 1)
-    number_zone = number_zone & (positions > torch.where(has_equals, equals, -1)[:, None])
+    number_zone = number_zone & ~pos.lt(torch.where(has_equals, equals, -1) + 1)  # after the "=", if any
     body, sign = body & number_zone, sign & number_zone
     stray = number_zone & ~(ignorable | body | sign)  # letters, other commands, "=", overflow, ...
     first = pos.first(body)
-    signs_before = (sign & (positions < first[:, None])).sum(dim=1)
+    signs_before = (sign & pos.lt(first)).sum(dim=1)
     value, ok = _number(codes, body, is_digit, _any(sign & chars(_MINUS)), pos, chars)
     ok = ok & (close < n) & ~_any(stray) & (sign.sum(dim=1) == signs_before) & (signs_before <= 1)
     ok = ok & ~_any(unit_zone & chars(_DIGIT_OR_OVERFLOW)) & (~has_equals | prefix_ok)
@@ -540,7 +555,7 @@ def _read_hash(codes: torch.Tensor, text_ends_in_window: torch.Tensor):
     chars = _Chars(codes)
     ignorable, body, sign, is_digit = _classes(chars)
     n = codes.shape[1]
-    pos = _Positions(n, codes.device)
+    pos = _Positions.of(n, codes.device)
     positions = pos.at
     first = pos.first(body)  # (B,) run start
     before = positions < first[:, None]
@@ -561,7 +576,7 @@ def _read_last_number(codes: torch.Tensor, text_starts_in_window: torch.Tensor):
     optional ``-`` before it."""
     n = codes.shape[1]
     chars = _Chars(codes)
-    pos = _Positions(n, codes.device)
+    pos = _Positions.of(n, codes.device)
     positions = pos.at
     is_digit = chars(_DIGIT)
     runnable = chars(_BODY_CHAR)
