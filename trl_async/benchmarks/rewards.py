@@ -15,17 +15,22 @@ off) against a string ``answer`` column, and all returning a ``(B,)`` reward ten
   with ``first_eos[b].item()`` and ``Y[b, :valid_len].unfold(0, K, 1)`` against the answer's token ids (tokenised
   before timing). It pays when those tokens appear *anywhere*, so it is not the same reward; it is here for speed.
 
-Each cell is the median of ``--repeats`` timed runs after one warm-up; samples/s = B / median seconds. Threads:
+Each cell is the median of ``--repeats`` timed runs after one warm-up, the methods taking turns in a rotating order
+(so a slow spell of the machine, or the cold caches one method leaves behind, hit all of them alike); samples/s = B /
+median seconds. Threads:
 ``--threads 2`` by default; on a 2-core machine that is busy with anything else, two OpenMP threads make every tensor
 op wait for a descheduled thread (erratic, up to 10x slower), so measure there with ``--threads 1``.
 
-Where the tensor path's time goes (CPU, B=256, L=512, 1 thread, ~2.4 ms; was ~4.3 ms measured the same way):
-~0.75 ms one pass over the whole ``(B, L)`` batch (id clamp, one packed int32 table lookup per token carrying the
-``\\boxed{`` automaton tables and the EOS flag, five byte-wide automaton steps, first EOS and last opener as integer
-max/min reductions); ~0.3 ms the window gather, expansion to characters and compaction to ``(B, 64)`` codes; ~1.0 ms
-reading the number on those codes, ~150 small ops that are dispatch-bound (the same ~1 ms at B=64, so the tensor path
-costs ~1.4 ms at B=64, L=256 and ~8 ms at B=1024, L=512); ~0.1 ms the target column and the comparison. Beating the
-seed loop 10x here (~0.5 ms) would need the reader in far fewer ops (token-space reading, or a fused kernel).
+Where the tensor path's time goes (CPU, B=256, L=512, 1 thread, called back to back: ~2.4 ms): ~0.7 ms the one pass
+over the whole ``(B, L)`` batch (int32 keys, one packed table lookup per token, the byte-wide ``\\boxed{`` automaton on
+the flattened batch, first EOS and last opener as int16 max reductions: ~40 ops, all arithmetic, since comparisons
+and ``argmax`` over (B, L) cost several times more on CPU); ~0.3 ms the window gather, expansion to characters and
+compaction to ``(B, 64)`` codes; ~1.0 ms reading the number on those codes, ~180 small ops that are dispatch-bound
+(the same ~1 ms at B=64); ~0.1 ms the target column and the comparison. Timed in turns with the other methods, as
+this benchmark does, every op costs ~1.5x more (the caches and predictors the other code leaves behind, as in a
+trainer, where the reward runs between generation and the loss): ~3.5 ms. The seed loop costs ~5.5 ms (~22 us a
+sample), so 10x it (~0.55 ms) is what the (B, L) pass alone costs: out of reach for an exact reader in eager
+PyTorch on a CPU. ``torch.compile`` (inductor, CPU) made the reader 3x slower here, not faster.
 """
 
 from __future__ import annotations
@@ -114,18 +119,25 @@ def seed_loop(ids, eos_token_id, patterns):
     return rewards
 
 
-def timed(fn, repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+def timed_side_by_side(methods: dict, repeats: int, device: torch.device) -> dict[str, float]:
+    """Median seconds of each method, timed in turns after one warm-up each, so that a slow spell of a noisy machine
+    hits every method alike. The order rotates every repeat (A B C, B C A, C A B, ...): each method runs as often
+    right after every other one, so none always inherits the caches another one left cold."""
+    for fn in methods.values():
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    names = list(methods)
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for repeat in range(repeats):
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            fn = methods[name]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def time_cell(tokenizer, reward, ids_cpu, mask_cpu, answers, patterns_cpu, repeats, device) -> dict[str, float]:
@@ -134,20 +146,17 @@ def time_cell(tokenizer, reward, ids_cpu, mask_cpu, answers, patterns_cpu, repea
     patterns = [p.to(device) for p in patterns_cpu]
     expected = decode_regex(tokenizer, ids_cpu, mask_cpu, answers)
     assert torch.equal(reward.score(ids, mask, answer=answers).cpu(), expected), "tensor path != string spec"
+    batch = ids.shape[0]
+    subset = min(batch, MATH_VERIFY_SUBSET)
+    math_verify = "math-verify" + ("*" if subset < batch else "")
     methods = {
         "tensor": lambda: reward.score(ids, mask, answer=answers),
         "decode+regex": lambda: decode_regex(tokenizer, ids, mask, answers),
         "seed loop": lambda: seed_loop(ids, tokenizer.eos_token_id, patterns),
+        math_verify: lambda: math_verify_reward(tokenizer, ids[:subset], mask[:subset], answers[:subset]),
     }
-    seconds = {name: timed(fn, repeats, device) for name, fn in methods.items()}
-    batch = ids.shape[0]
-    subset = min(batch, MATH_VERIFY_SUBSET)
-    mv = timed(
-        lambda: math_verify_reward(tokenizer, ids[:subset], mask[:subset], answers[:subset]),
-        max(1, repeats // 2),
-        device,
-    )
-    seconds["math-verify" + ("*" if subset < batch else "")] = mv * batch / subset
+    seconds = timed_side_by_side(methods, repeats, device)
+    seconds[math_verify] *= batch / subset
     return seconds
 
 
@@ -188,13 +197,16 @@ def markdown(rows) -> str:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="B=256, L=512 only")
-    parser.add_argument("--repeats", type=int, default=7, help="timed runs per cell (median reported; >= 5)")
+    parser.add_argument("--batches", type=int, nargs="+", help="batch sizes (default: 64 256 1024)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="completion lengths (default: 256 512)")
+    parser.add_argument("--repeats", type=int, default=8, help="timed runs per cell (median reported; >= 5)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--cpu-only", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
     batches, lengths = ([256], [512]) if args.quick else ([64, 256, 1024], [256, 512])
+    batches, lengths = args.batches or batches, args.lengths or lengths
     devices = [torch.device("cpu")]
     if torch.cuda.is_available() and not args.cpu_only:
         devices.append(torch.device("cuda"))
@@ -204,7 +216,7 @@ def main(argv=None):
     print(
         f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads){gpu}, python {platform.python_version()}; "
-        f"median of {args.repeats} runs (math-verify: {max(1, args.repeats // 2)})"
+        f"median of {args.repeats} runs, methods timed in turns"
     )
     print("* math-verify timed on the first 64 samples and scaled per sample.\n")
     print(markdown(rows))

@@ -223,8 +223,8 @@ def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, m
     ``mask``), ``first_eos`` (B,) int64 (L when none), ``last`` (B,) int64 token where it ends (-1:
     none), ``offset`` (B,) int64 characters of that token before the text after the occurrence.
 
-    Written for the CPU's per-op costs: the (B, L) work is byte-wide or int16 arithmetic on contiguous tensors (about
-    25 ops); comparisons and ``where`` (bool outputs), ``argmax`` and int64 arithmetic are several times slower there.
+    Written for the CPU's per-op costs: the (B, L) work is ~40 ops of byte-wide or int16 arithmetic on contiguous
+    tensors; comparisons and ``where`` (bool outputs), ``argmax`` and int64 arithmetic are several times slower there.
     """
     code_table, full_after = packed.on(ids.device)
     batch, length = ids.shape
