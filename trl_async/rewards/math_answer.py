@@ -31,11 +31,12 @@ How the tensor path works (no decode, no per-sample loop, no host sync):
 2. Gather a window of ``max_answer_tokens`` tokens from there and expand each to its character codes with the
    vocabulary tables (:mod:`~trl_async.rewards.vocab_tables`), so multi-digit tokens (``"250"``) and merged
    punctuation (``' {-'``, ``'}.'``, ``'{\\'``) read like text; compact the characters to the left.
-   Character classes come from one per-code bit table (``_Chars``), and first/last positions are int32
-   multiply-max reductions: on CPU this window is dispatch-bound, so the reader is written in few ops.
-3. Validate the grammar with prefix sums and compute the value with place values: ``mantissa = sum d * 10^rank``
-   (int64, exact), ``value = mantissa / 10^fraction_digits`` (one correctly rounded float64 division, the same value
-   Python's ``float()`` gives the target string).
+3. Validate the grammar: a box's content with the DFA of :mod:`~trl_async.rewards.boxed_automaton`, evaluated as
+   ``log2 N`` rounds of table lookups (~12 ops); ``####`` and last-number runs with prefix sums and masked
+   reductions (character classes from one per-code bit table, ``_Chars``). On CPU this window is dispatch-bound, so
+   both are written in few ops. Compute the value with place values: ``mantissa = sum d * 10^rank`` (int64, exact),
+   ``value = mantissa / 10^fraction_digits`` (one correctly rounded float64 division, the same value Python's
+   ``float()`` gives the target string).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 
 from .base import TensorReward, column_tensor
+from .boxed_automaton import MAX_DIGITS, UNIT_COMMANDS, boxed_automaton
 from .literal import PackedLiteral, find_literal, last_literal
 from .vocab_tables import (
     BACKSLASH,
@@ -56,8 +58,6 @@ from .vocab_tables import (
     DIGIT,
     DOLLAR,
     DOT,
-    EQUALS,
-    LBRACE,
     LETTER,
     LOWER,
     MINUS,
@@ -65,24 +65,19 @@ from .vocab_tables import (
     OVERFLOW,
     PERCENT,
     PLUS,
-    RBRACE,
     SPACE,
     SPACING,
-    UPPER,
     VocabTables,
-    char_code,
 )
 
 take = VocabTables.take
 
 ANSWER_FORMATS = ("boxed", "hash", "last_number")
-MAX_DIGITS = 18  # int64 mantissa stays exact
 
 # ---- the string specification -----------------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"[+-]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]*)(?:\.[0-9]+)?")
 _IGNORABLE = r"(?:\s|[$%]|\\[$%,;!:\s])"  # whitespace, $, %, their escapes, LaTeX spacing
-UNIT_COMMANDS = ("\\text{", "\\textrm{", "\\textbf{", "\\mbox{", "\\mathrm{")  # a unit group after the number
 _IN_BOX = r"(?:\s|[${}%]|\\[$%,;!:\s])"  # inside a box, LaTeX grouping braces are ignorable too
 _BOXED_CONTENT = re.compile(rf"(?:{_IN_BOX}*[A-Za-z]{_IN_BOX}*=)?{_IN_BOX}*([+-]?){_IN_BOX}*([0-9.,]*){_IN_BOX}*")
 _BARE_TARGET = re.compile(rf"{_IGNORABLE}*([+-]?){_IGNORABLE}*([0-9.,]*){_IGNORABLE}*")
@@ -214,6 +209,7 @@ class MathAnswerReward(TensorReward):
         fast = self.opener is not None and self.opener.n <= PackedLiteral.MAX_N
         fast = fast and all(0 <= e < self.tables.vocab_size for e in eos)
         self.packed = PackedLiteral(self.opener, self.tables.vocab_size, eos) if fast else None
+        self.automaton = boxed_automaton() if answer_format == "boxed" else None
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
         if self.answer_column not in columns:
@@ -243,7 +239,7 @@ class MathAnswerReward(TensorReward):
         offset = hits.offset_at(start)  # (B,) characters of that token before the content
         codes, complete = self._window_after(tokens, start, offset)  # (B, N)
         if self.answer_format == "boxed":
-            value, ok = _read_boxed(codes)
+            value, ok = self.automaton.read(codes)
         else:
             value, ok = _read_hash(codes, text_ends_in_window=complete & (start + self.window >= n_valid))
         return value, has_opener & ok
@@ -260,7 +256,7 @@ class MathAnswerReward(TensorReward):
         window = torch.where(inside, token, self.tables.null_id)  # (B, W) V = null
         codes, complete = self._window_codes(window, offset)
         if self.answer_format == "boxed":
-            value, ok = _read_boxed(codes)
+            value, ok = self.automaton.read(codes)
         else:
             positions = torch.arange(length, device=ids.device)
             n_valid = (mask & (positions < first_eos[:, None])).sum(dim=1)
@@ -329,13 +325,6 @@ def _is_digit(codes: torch.Tensor) -> torch.Tensor:
     return (codes >= DIGIT) & (codes < DIGIT + 10)
 
 
-_HASH_BASE = 131
-
-
-def _command_hash(text: str) -> int:
-    return sum(char_code(ch) * _HASH_BASE**i for i, ch in enumerate(text))
-
-
 def _any(x: torch.Tensor) -> torch.Tensor:
     """``x.any(dim=1)`` for a (B, N) bool tensor (a sum is several times faster on CPU). # (B,)"""
     return x.sum(dim=1, dtype=torch.int32) > 0
@@ -378,15 +367,13 @@ class _Positions:
 
 
 # Character classes: bit k of a per-code int32 table (one lookup per window, then an `&` per class used).
-(_ESCAPABLE, _PLAIN, _BACKSLASH, _DIGIT, _BODY_CHAR, _SIGN, _LBRACE, _RBRACE, _ASCII_LETTER, _LOWER, _EQUALS,
- _DIGIT_OR_OVERFLOW, _MINUS, _DOT, _COMMA, _BRACE) = range(16)  # fmt: skip
+_ESCAPABLE, _PLAIN, _BACKSLASH, _DIGIT, _BODY_CHAR, _SIGN, _MINUS, _DOT, _COMMA = range(9)
 
 
 def _class_rows() -> list[int]:
     rows = []
     for c in range(128):
         digit = DIGIT <= c < DIGIT + 10
-        lower = LOWER <= c < LOWER + 26
         flags = [
             c in (DOLLAR, COMMA, SPACING, SPACE, PERCENT),  # \$ \, \; \! \: \<space> \%
             c in (SPACE, DOLLAR, PERCENT),
@@ -394,16 +381,9 @@ def _class_rows() -> list[int]:
             digit,
             digit or c in (COMMA, DOT),
             c in (MINUS, PLUS),
-            c == LBRACE,
-            c == RBRACE,
-            lower or UPPER <= c < UPPER + 26,
-            lower,
-            c == EQUALS,
-            digit or c == OVERFLOW,
             c == MINUS,
             c == DOT,
             c == COMMA,
-            c in (LBRACE, RBRACE),
         ]  # fmt: skip
         rows.append(sum(1 << k for k, flag in enumerate(flags) if flag))
     return rows
@@ -426,22 +406,6 @@ class _Chars:
         return self.classes[k, :, 2 - shift : 2 - shift + self.n]
 
 
-def _first_unit_command(codes: torch.Tensor, pos: _Positions, chars: _Chars) -> torch.Tensor:
-    """Position of the first LaTeX command (``\\`` + a lowercase letter) when it is one of
-    :data:`UNIT_COMMANDS`, else N. Any other command before a unit group makes the content invalid anyway, so
-    looking at the first command only is exact. # (B, N) -> (B,)"""
-    n = codes.shape[1]
-    first = pos.first(chars(_BACKSLASH) & chars(_LOWER, -1))  # (B,)
-    longest = max(len(c) for c in UNIT_COMMANDS)
-    index = (first[:, None] + torch.arange(longest, device=codes.device)).clamp(max=n - 1)  # (B, longest)
-    spelled = codes.gather(1, index).to(torch.int64)  # (B, longest) the characters from there
-    weights = _constant(codes.device, "hash")  # (longest,) 131^i
-    prefix = torch.cumsum(spelled * weights, dim=1)  # (B, longest) hash of the first k + 1 characters
-    ends = _constant(codes.device, "unit_ends")  # (U,) len(command) - 1 per unit command
-    known = _any(prefix.index_select(1, ends) == _constant(codes.device, "unit_hashes"))  # (B,)
-    return torch.where(known, first, n)
-
-
 def _classes(chars: _Chars):
     """Per character: ignorable (whitespace, ``$``, ``%`` and their escapes, LaTeX spacing), body, sign."""
     spacing = chars(_ESCAPABLE)
@@ -457,15 +421,11 @@ _POW10_INT = [10**k for k in range(MAX_DIGITS + 1)]
 
 
 def _make_constants() -> dict[str, torch.Tensor]:
-    longest = max(len(c) for c in UNIT_COMMANDS)
     return {
         "pow10": torch.tensor(_POW10_INT, dtype=torch.int64),
         "pow10f": torch.tensor(_POW10_INT, dtype=torch.float64),
-        "hash": torch.tensor([_HASH_BASE**i for i in range(longest)], dtype=torch.int64),
         "classes": torch.tensor(_class_rows(), dtype=torch.int32),
-        "class_bits": torch.tensor([1 << k for k in range(_BRACE + 1)], dtype=torch.int32),
-        "unit_ends": torch.tensor([len(c) - 1 for c in UNIT_COMMANDS], dtype=torch.int64),
-        "unit_hashes": torch.tensor([_command_hash(c) for c in UNIT_COMMANDS], dtype=torch.int64),
+        "class_bits": torch.tensor([1 << k for k in range(_COMMA + 1)], dtype=torch.int32),
     }
 
 
@@ -517,37 +477,6 @@ def _number(codes, body, is_digit, negative, pos: _Positions, chars: _Chars):
     fraction = (digits & after_dot).sum(dim=1, dtype=torch.int32).clamp_(max=MAX_DIGITS).long()  # (B,)
     value = mantissa.to(torch.float64) / _constant(codes.device, "pow10f").index_select(0, fraction)
     return torch.where(negative, -value, value), ok
-
-
-def _read_boxed(codes: torch.Tensor):
-    """Codes start right after ``\\boxed{``: one number (plus ignorables, then optionally a ``\\text{unit}``
-    group without digits) up to the matching ``}``."""
-    chars = _Chars(codes)
-    ignorable, body, sign, is_digit = _classes(chars)
-    n = codes.shape[1]
-    pos = _Positions.of(n, codes.device)
-    delta = chars(_LBRACE).view(torch.int8) - chars(_RBRACE).view(torch.int8)  # (B, N) +1 "{", -1 "}"
-    depth = torch.cumsum(delta, dim=1, dtype=torch.int32)  # steps of one: it first goes below 0 at the closing "}"
-    close = n - ((depth >> 31) & pos.rev).amax(dim=1)  # (B,) the matching closing brace, N when none
-    unit_start = _first_unit_command(codes, pos, chars)  # (B,)
-    number_zone = pos.lt(torch.minimum(close, unit_start))  # (B, N)
-    unit_zone = pos.lt(close) & ~pos.lt(unit_start)
-    ignorable = ignorable | chars(_BRACE)  # grouping braces: {72}
-    # an optional "x =" before the number: one ASCII letter, then "=", ignorables around
-    equals = pos.first(number_zone & chars(_EQUALS))  # (B,) first "="
-    has_equals = equals < n
-    before_equals = number_zone & pos.lt(equals)
-    letter = chars(_ASCII_LETTER)
-    prefix_ok = ~_any(before_equals & ~(ignorable | letter)) & ((before_equals & letter).sum(dim=1) == 1)
-    number_zone = number_zone & ~pos.lt(torch.where(has_equals, equals, -1) + 1)  # after the "=", if any
-    body, sign = body & number_zone, sign & number_zone
-    stray = number_zone & ~(ignorable | body | sign)  # letters, other commands, "=", overflow, ...
-    first = pos.first(body)
-    signs_before = (sign & pos.lt(first)).sum(dim=1)
-    value, ok = _number(codes, body, is_digit, _any(sign & chars(_MINUS)), pos, chars)
-    ok = ok & (close < n) & ~_any(stray) & (sign.sum(dim=1) == signs_before) & (signs_before <= 1)
-    ok = ok & ~_any(unit_zone & chars(_DIGIT_OR_OVERFLOW)) & (~has_equals | prefix_ok)
-    return value, ok
 
 
 def _read_hash(codes: torch.Tensor, text_ends_in_window: torch.Tensor):

@@ -1,0 +1,284 @@
+r"""Read the content of ``\boxed{...}`` with a finite automaton evaluated as a tree of table lookups.
+
+The grammar of a box's content (see :mod:`~trl_async.rewards.math_answer`) is regular once the matching closing
+brace is known: ignorables (whitespace, ``$``, ``%``, braces, ``\$ \% \, \; \! \: \<space>``), an optional ``x =``,
+an optional sign, one number ``[0-9]{1,3}(,[0-9]{3})+|[0-9]*`` with an optional ``.[0-9]+``, ignorables, and an
+optional unit group (``\text{...}`` etc.) without digits. :class:`BoxedAutomaton` is that grammar as a DFA over a
+few character classes.
+
+Evaluating a DFA character by character is a sequential loop. Instead every string is identified with the function
+it induces on the states (``f[s]`` = the state reached from ``s``), and these functions form a small monoid (under a
+thousand elements for this DFA, found by closure at construction). Concatenation is then one lookup in a
+``(F, F)`` composition table, so a ``(B, N)`` window is reduced in ``log2 N`` rounds of "pair neighbours, look up",
+each one op over the batch: ~12 ops instead of N steps or ~150 masked reductions.
+
+Invariants (tested against the string specification on fuzzed and generated text):
+
+* :meth:`BoxedAutomaton.read` agrees with :func:`~trl_async.rewards.math_answer.final_answer` (``"boxed"``) on the
+  text after the opener, whenever the window holds the text up to the closing brace.
+* NUL (padding) is the identity; characters from the matching closing brace on are read as NUL.
+* :data:`~trl_async.rewards.vocab_tables.OVERFLOW` (hidden characters of a long token) is rejected everywhere, unit
+  text included, since it may hide a digit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .vocab_tables import (
+    BACKSLASH,
+    COMMA,
+    DIGIT,
+    DOLLAR,
+    DOT,
+    EQUALS,
+    LBRACE,
+    LOWER,
+    MINUS,
+    NUL,
+    OVERFLOW,
+    PERCENT,
+    PLUS,
+    RBRACE,
+    SPACE,
+    SPACING,
+    UPPER,
+    char_code,
+)
+
+UNIT_COMMANDS = ("\\text{", "\\textrm{", "\\textbf{", "\\mbox{", "\\mathrm{")  # a unit group after the number
+MAX_DIGITS = 18  # int64 mantissa stays exact
+
+# ---- character classes --------------------------------------------------------------------------------------------
+_UNIT_LETTERS = sorted({ch for command in UNIT_COMMANDS for ch in command[1:-1]})
+CLASSES = (
+    ["nul", "space", "dollar", "percent", "lbrace", "rbrace", "backslash", "spacing", "equals", "sign", "digit"]
+    + ["dot", "comma", "ascii_letter", "other", "overflow"]
+    + [f"letter_{ch}" for ch in _UNIT_LETTERS]
+)
+_CLASS = {name: i for i, name in enumerate(CLASSES)}
+
+
+def _class_of_code(code: int) -> int:
+    """The automaton's class of one character code (:mod:`~trl_async.rewards.vocab_tables`)."""
+    single = {
+        NUL: "nul", SPACE: "space", DOLLAR: "dollar", PERCENT: "percent", LBRACE: "lbrace", RBRACE: "rbrace",
+        BACKSLASH: "backslash", SPACING: "spacing", EQUALS: "equals", PLUS: "sign", MINUS: "sign", DOT: "dot",
+        COMMA: "comma", OVERFLOW: "overflow",
+    }  # fmt: skip
+    if code in single:
+        return _CLASS[single[code]]
+    if DIGIT <= code < DIGIT + 10:
+        return _CLASS["digit"]
+    for ch in _UNIT_LETTERS:
+        if code == char_code(ch):
+            return _CLASS[f"letter_{ch}"]
+    if LOWER <= code < LOWER + 26 or UPPER <= code < UPPER + 26:
+        return _CLASS["ascii_letter"]
+    return _CLASS["other"]  # other punctuation, non-ASCII letters
+
+
+# ---- the automaton ------------------------------------------------------------------------------------------------
+_ZONES = ("start", "letter", "equals", "sign", "after")  # before / around the number; each has a "\" twin
+_BODY = ("g1", "g2", "g3", "gn", "k0", "k1", "k2", "k3", "dot0", "frac")  # inside the number
+_BODY_ACCEPTS = {"g1", "g2", "g3", "gn", "k3", "frac"}  # a complete number: 1-3 / 4+ digits, full groups, fraction
+_IGNORABLE = {"space", "dollar", "percent", "lbrace", "rbrace"}
+_ESCAPABLE = {"dollar", "percent", "comma", "spacing", "space"}  # \$ \% \, \; \! \: \<space>
+_DIGIT_STEP = {"g1": "g2", "g2": "g3", "g3": "gn", "gn": "gn", "k0": "k1", "k1": "k2", "k2": "k3", "k3": "reject",
+               "dot0": "frac", "frac": "frac"}  # fmt: skip
+_UNIT_PREFIXES = sorted({c[1:i] for c in UNIT_COMMANDS for i in range(2, len(c))})  # "t", "te", ..., "mathrm"
+
+
+def _char(name: str) -> str:
+    """The character a class stands for in a unit command ("{" or a letter), else ""."""
+    if name == "lbrace":
+        return "{"
+    return name.removeprefix("letter_") if name.startswith("letter_") else ""
+
+
+def _step(state: str, cls: str) -> str:
+    """One transition of the content DFA (states are readable names)."""
+    if cls == "nul" or state == "reject":
+        return state
+    if state == "unit":  # unit text: anything without digits (an overflow may hide one)
+        return "reject" if cls in ("digit", "overflow") else "unit"
+    if state.startswith("cmd:"):  # spelling a unit command after "\"
+        spelled = state[4:] + _char(cls)
+        if "\\" + spelled in UNIT_COMMANDS:
+            return "unit"
+        return "cmd:" + spelled if spelled in _UNIT_PREFIXES and _char(cls) else "reject"
+    if state.endswith("\\"):  # after a backslash: an escape, or (after the number) a unit command
+        zone = state[:-1]
+        if cls in _ESCAPABLE:
+            return zone
+        if zone == "after" and _char(cls) in {c[1] for c in UNIT_COMMANDS}:
+            return "cmd:" + _char(cls)
+        return "reject"
+    if state in _BODY:
+        accepts = state in _BODY_ACCEPTS
+        if cls in _IGNORABLE:
+            return "after" if accepts else "reject"
+        if cls == "backslash":
+            return "after\\" if accepts else "reject"
+        if cls == "digit":
+            return _DIGIT_STEP[state]
+        if cls == "comma":
+            return "k0" if state in ("g1", "g2", "g3", "k3") else "reject"
+        if cls == "dot":
+            return "dot0" if state in ("g1", "g2", "g3", "gn", "k3") else "reject"
+        return "reject"
+    # the zones around the number
+    if cls in _IGNORABLE:
+        return state
+    if cls == "backslash":
+        return state + "\\"
+    before_number = state in ("start", "equals", "sign")
+    if cls == "ascii_letter" or cls.startswith("letter_"):
+        return "letter" if state == "start" else "reject"
+    if cls == "equals":
+        return "equals" if state == "letter" else "reject"
+    if cls == "sign":
+        return "sign" if state in ("start", "equals") else "reject"
+    if cls == "digit":
+        return "g1" if before_number else "reject"
+    if cls == "dot":
+        return "dot0" if before_number else "reject"
+    return "reject"
+
+
+class BoxedAutomaton:
+    """The content DFA, its transition monoid and the lookup tables :meth:`read` uses (built once, ~0.2 s)."""
+
+    def __init__(self):
+        states = [*_ZONES, *(z + "\\" for z in _ZONES), *_BODY, *("cmd:" + p for p in _UNIT_PREFIXES), "unit"]
+        states.append("reject")
+        index = {s: i for i, s in enumerate(states)}
+        n_states = len(states)
+        generators = torch.tensor([[index[_step(s, c)] for s in states] for c in CLASSES])  # (K, S)
+        functions = self._closure(generators, n_states)  # (F, S), row 0 the identity
+        self.n_functions = functions.shape[0]
+        keys = self._keys(functions)
+        order = torch.argsort(keys)
+        sorted_keys = keys[order]
+        assert torch.unique(keys).numel() == self.n_functions, "function keys collide"
+
+        def ids_of(rows: torch.Tensor) -> torch.Tensor:  # (M, S) functions of the monoid -> (M,) their ids
+            k = self._keys(rows)
+            at = torch.searchsorted(sorted_keys, k).clamp(max=self.n_functions - 1)
+            assert torch.equal(sorted_keys[at], k), "the monoid is not closed"
+            return order[at]
+
+        # compose[a, b]: the function of "a's string, then b's string" (b after a), built in chunks of a
+        compose = torch.cat(
+            [
+                ids_of(functions[:, functions[a : a + 64]].permute(1, 0, 2).reshape(-1, n_states)).view(-1, len(keys))
+                for a in range(0, self.n_functions, 64)
+            ]
+        )  # (F, F)
+        class_ids = ids_of(generators)  # (K,)
+        pair = compose[class_ids[:, None], class_ids[None, :]]  # (K, K) two characters
+        accepting = {index[s] for s in (*_BODY_ACCEPTS, "after", "unit")}
+        start = index["start"]
+        self.n_classes = len(CLASSES)
+        self.compose = compose.to(torch.int32).reshape(-1)  # (F*F,) flat: a * F + b (int32: indexes directly)
+        self.pair = pair.to(torch.int32).reshape(-1)  # (K*K,)
+        self.accepts = torch.isin(functions[:, start], torch.tensor(sorted(accepting)))  # (F,) from "start"
+        self.identity = int(ids_of(torch.arange(n_states)[None])[0])
+        code_table = [_class_of_code(c) for c in range(128)]
+        self.code_class = torch.tensor(code_table, dtype=torch.int64)  # (128,) code -> class
+        delta = [1 if c == LBRACE else -1 if c == RBRACE else 0 for c in range(128)]
+        self.brace_delta = torch.tensor(delta, dtype=torch.int8)  # (128,) brace depth step
+        digit = [c - DIGIT + 1 if DIGIT <= c < DIGIT + 10 else 0 for c in range(128)]
+        self.digit_plus1 = torch.tensor(digit, dtype=torch.int8)  # (128,) digit value + 1, 0 for non-digits
+        self.pow10 = torch.tensor([10**k for k in range(MAX_DIGITS + 1)], dtype=torch.int64)
+        self.pow10f = self.pow10.to(torch.float64)
+        self._on: dict[torch.device, tuple] = {}
+        self._positions: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @staticmethod
+    def _closure(generators: torch.Tensor, n_states: int) -> torch.Tensor:
+        """Every function a string induces: the identity, then products with the generators until closed."""
+        seen = {tuple(range(n_states)): 0}
+        rows = [list(range(n_states))]
+        frontier = list(rows)
+        gens = generators.tolist()
+        while frontier:
+            grown = []
+            for f in frontier:
+                for g in gens:
+                    h = tuple(g[s] for s in f)  # f's string, then g's character
+                    if h not in seen:
+                        seen[h] = len(rows)
+                        rows.append(list(h))
+                        grown.append(h)
+            frontier = grown
+        return torch.tensor(rows, dtype=torch.int64)
+
+    @staticmethod
+    def _keys(functions: torch.Tensor) -> torch.Tensor:
+        """An int64 key per function (a wrapping polynomial hash; unique over the monoid, which is asserted)."""
+        powers = torch.tensor([pow(1_000_003, i, 2**63) for i in range(functions.shape[1])], dtype=torch.int64)
+        return (functions * powers).sum(dim=1)
+
+    def on(self, device: torch.device) -> tuple:
+        found = self._on.get(device)
+        if found is None:
+            names = ("compose", "pair", "accepts", "code_class", "brace_delta", "digit_plus1", "pow10", "pow10f")
+            found = self._on[device] = tuple(getattr(self, n).to(device) for n in names)
+        return found
+
+    def positions(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(arange(n), n - arange(n))`` as int32 on ``device``, cached."""
+        found = self._positions.get((n, device))
+        if found is None:
+            at = torch.arange(n, device=device, dtype=torch.int32)
+            found = self._positions[(n, device)] = (at, n - at)
+        return found
+
+    def read(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes (B, N) int8 starting right after ``\\boxed{`` -> ``(value (B,) float64, ok (B,) bool)``."""
+        compose, pair, accepts, code_class, brace_delta, digit_plus1, pow10, pow10f = self.on(codes.device)
+        batch, n = codes.shape
+        flat = codes.reshape(-1).to(torch.int64)  # (B*N,)
+        # The matching closing brace: where the running depth first goes below zero (steps of one).
+        depth = brace_delta.index_select(0, flat).view(batch, n).cumsum(dim=1, dtype=torch.int32)  # (B, N)
+        at, rev = self.positions(n, codes.device)  # (N,) position, n - position
+        close = n - ((depth >> 31) & rev).amax(dim=1)  # (B,) N when the box does not close in the window
+        inside = at < close[:, None]  # (B, N) the content
+        # The grammar: classes (NUL from the closing brace on), pairs, then log2(N) rounds of composition.
+        cls = code_class.index_select(0, flat).view(batch, n) * inside  # (B, N) class 0 = NUL = identity
+        if n % 2:
+            cls = torch.nn.functional.pad(cls, (0, 1))
+        index = torch.add(cls[:, 1::2], cls[:, 0::2], alpha=self.n_classes)  # (B, N/2) left * K + right
+        f = pair.index_select(0, index.reshape(-1)).view(batch, -1)  # (B, N/2) function ids
+        while f.shape[1] > 1:  # (B, M) -> (B, M/2)
+            if f.shape[1] % 2:
+                f = torch.nn.functional.pad(f, (0, 1), value=self.identity)
+            index = torch.add(f[:, 1::2], f[:, 0::2], alpha=self.n_functions)  # left * F + right
+            f = compose.index_select(0, index.reshape(-1)).view(batch, -1)
+        valid = accepts.index_select(0, f[:, 0].to(torch.int64)) & (close < n)  # (B,)
+        # The value: the content's digits are the number's (the grammar allows none elsewhere).
+        digit1 = digit_plus1.index_select(0, flat).view(batch, n) * inside  # (B, N) digit + 1, 0 elsewhere
+        is_digit = digit1 > 0
+        n_digits = is_digit.sum(dim=1, dtype=torch.int32)  # (B,)
+        rank = n_digits[:, None] - is_digit.cumsum(dim=1, dtype=torch.int32)  # (B, N) digits to the right
+        place = pow10.index_select(0, rank.clamp_(0, MAX_DIGITS).reshape(-1).to(torch.int64)).view(batch, n)
+        mantissa = ((digit1 - 1).clamp_(min=0) * place).sum(dim=1)  # (B,) int64, exact
+        dot = n - ((codes == DOT) * inside * rev).amax(dim=1)  # (B,) the first dot of the content, N when none
+        fraction = rank.gather(1, dot.clamp(max=n - 1)[:, None].to(torch.int64))[:, 0] * (dot < n)  # digits after it
+        value = mantissa.to(torch.float64) / pow10f.index_select(0, fraction.to(torch.int64))
+        # A sign stands before the first digit (a "-" in unit text comes after it).
+        negative = ((codes == MINUS) & (rank == n_digits[:, None]) & inside).sum(dim=1, dtype=torch.int32) > 0
+        value = torch.where(negative, -value, value)
+        return value, valid & (n_digits <= MAX_DIGITS)
+
+
+_AUTOMATON: BoxedAutomaton | None = None
+
+
+def boxed_automaton() -> BoxedAutomaton:
+    """The process-wide automaton (built on first use)."""
+    global _AUTOMATON
+    if _AUTOMATON is None:
+        _AUTOMATON = BoxedAutomaton()
+    return _AUTOMATON
