@@ -256,17 +256,17 @@ class BoxedAutomaton:
                 f = torch.nn.functional.pad(f, (0, 1), value=self.identity)
             index = torch.add(f[:, 1::2], f[:, 0::2], alpha=self.n_functions)  # left * F + right
             f = compose.index_select(0, index.reshape(-1)).view(batch, -1)
-        valid = accepts.index_select(0, f[:, 0].to(torch.int64)) & (close < n)  # (B,)
+        valid = accepts.index_select(0, f[:, 0]) & (close < n)  # (B,)
         # The value: the content's digits are the number's (the grammar allows none elsewhere).
         digit1 = digit_plus1.index_select(0, flat).view(batch, n) * inside  # (B, N) digit + 1, 0 elsewhere
         is_digit = digit1 > 0
         n_digits = is_digit.sum(dim=1, dtype=torch.int32)  # (B,)
         rank = n_digits[:, None] - is_digit.cumsum(dim=1, dtype=torch.int32)  # (B, N) digits to the right
-        place = pow10.index_select(0, rank.clamp_(0, MAX_DIGITS).reshape(-1).to(torch.int64)).view(batch, n)
+        place = pow10.index_select(0, rank.clamp_(0, MAX_DIGITS).reshape(-1)).view(batch, n)  # (B, N) int64
         mantissa = ((digit1 - 1).clamp_(min=0) * place).sum(dim=1)  # (B,) int64, exact
         dot = n - ((codes == DOT) * inside * rev).amax(dim=1)  # (B,) the first dot of the content, N when none
         fraction = rank.gather(1, dot.clamp(max=n - 1)[:, None].to(torch.int64))[:, 0] * (dot < n)  # digits after it
-        value = mantissa.to(torch.float64) / pow10f.index_select(0, fraction.to(torch.int64))
+        value = mantissa.to(torch.float64) / pow10f.index_select(0, fraction)
         # A sign stands before the first digit (a "-" in unit text comes after it).
         negative = ((codes == MINUS) & (rank == n_digits[:, None]) & inside).sum(dim=1, dtype=torch.int32) > 0
         value = torch.where(negative, -value, value)

@@ -204,14 +204,17 @@ class PackedLiteral:
         self.code = torch.cat([null, word, null]).to(torch.int32)  # (V+2,)
         full_after = tables.full_after[:vocab_size].to(torch.int64)
         self.full_after = torch.cat([null, full_after, null])  # (V+2,) by key
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {
-            torch.device("cpu"): (self.code, self.full_after)
+        # by the byte of match ends in a token (bit j: a match that had consumed S[:j] ends there): the character
+        # offset after the latest one, n - (lowest j); 0 when none
+        self.crossing_end = torch.tensor([self.n - (e & -e).bit_length() + 1 if e else 0 for e in range(256)])
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {
+            torch.device("cpu"): (self.code, self.full_after, self.crossing_end)
         }
 
     def on(self, device: torch.device):
         found = self._on.get(device)
         if found is None:
-            found = self._on[device] = (self.code.to(device), self.full_after.to(device))
+            found = self._on[device] = (self.code.to(device), self.full_after.to(device), self.crossing_end.to(device))
         return found
 
 
@@ -226,7 +229,7 @@ def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, m
     Written for the CPU's per-op costs: the (B, L) work is ~40 ops of byte-wide or int16 arithmetic on contiguous
     tensors; comparisons and ``where`` (bool outputs), ``argmax`` and int64 arithmetic are several times slower there.
     """
-    code_table, full_after = packed.on(ids.device)
+    code_table, full_after, crossing_end = packed.on(ids.device)
     batch, length = ids.shape
     key = ids.to(torch.int32).add_(1).clamp_(0, packed.vocab_size + 1)  # (B, L) row of the packed table
     code = code_table.index_select(0, key.view(-1)) * mask.view(-1)  # (B*L,) int32, null outside the mask
@@ -254,9 +257,8 @@ def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, m
     before_eos = (positions - (first_eos + 1)[:, None]) >> (torch.iinfo(small).bits - 1)  # -1 before the EOS, else 0
     last = ((event * positions) & before_eos).amax(dim=1).to(torch.int64) - 1  # (B,) -1: none
     at = last.clamp(min=0)[:, None]
-    ends_at = ends.gather(1, at)[:, 0].to(torch.int64)  # (B,)
-    lowest = ends_at & -ends_at  # the smallest j ends latest in the token
-    j_min = torch.log2(lowest.clamp(min=1).to(torch.float64)).to(torch.int64)  # exact for powers of two
+    crossing = crossing_end.index_select(0, ends.gather(1, at)[:, 0].to(torch.int64))  # (B,) a match from before
     full = full_after.index_select(0, key.gather(1, at)[:, 0])  # (B,) 0: no occurrence inside the token
-    offset = torch.where(full > 0, full, torch.where(ends_at != 0, packed.n - j_min, 0))
+    # An occurrence wholly inside the token ends after n characters of it, one that began before within n - 1.
+    offset = torch.maximum(full, crossing)
     return key, first_eos.to(torch.int64), last, offset
