@@ -147,7 +147,8 @@ def _step(state: str, cls: str) -> str:
 
 
 class BoxedAutomaton:
-    """The content DFA, its transition monoid and the lookup tables :meth:`read` uses (built once, ~0.2 s)."""
+    """The content DFA, its transition monoid and the lookup tables :meth:`read` uses (built once per process in
+    ~0.5 s; the composition table is 3 MB)."""
 
     def __init__(self):
         states = [*_ZONES, *(z + "\\" for z in _ZONES), *_BODY, *("cmd:" + p for p in _UNIT_PREFIXES), "unit"]
