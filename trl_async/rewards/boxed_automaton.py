@@ -52,24 +52,26 @@ MAX_DIGITS = 18  # int64 mantissa stays exact
 # ---- character classes --------------------------------------------------------------------------------------------
 _UNIT_LETTERS = sorted({ch for command in UNIT_COMMANDS for ch in command[1:-1]})
 CLASSES = (
-    ["nul", "space", "dollar", "percent", "lbrace", "rbrace", "backslash", "spacing", "equals", "sign", "digit"]
+    ["nul", "space", "dollar", "percent", "lbrace", "rbrace", "backslash", "spacing", "equals", "plus", "minus"]
     + ["dot", "comma", "ascii_letter", "other", "overflow"]
     + [f"letter_{ch}" for ch in _UNIT_LETTERS]
+    + [f"digit{d}" for d in range(10)]  # last, so that class - DIGIT0 is the digit's value
 )
 _CLASS = {name: i for i, name in enumerate(CLASSES)}
+DIGIT0, DOT_CLASS, MINUS_CLASS = _CLASS["digit0"], _CLASS["dot"], _CLASS["minus"]
 
 
 def _class_of_code(code: int) -> int:
     """The automaton's class of one character code (:mod:`~trl_async.rewards.vocab_tables`)."""
     single = {
         NUL: "nul", SPACE: "space", DOLLAR: "dollar", PERCENT: "percent", LBRACE: "lbrace", RBRACE: "rbrace",
-        BACKSLASH: "backslash", SPACING: "spacing", EQUALS: "equals", PLUS: "sign", MINUS: "sign", DOT: "dot",
+        BACKSLASH: "backslash", SPACING: "spacing", EQUALS: "equals", PLUS: "plus", MINUS: "minus", DOT: "dot",
         COMMA: "comma", OVERFLOW: "overflow",
     }  # fmt: skip
     if code in single:
         return _CLASS[single[code]]
     if DIGIT <= code < DIGIT + 10:
-        return _CLASS["digit"]
+        return _CLASS[f"digit{code - DIGIT}"]
     for ch in _UNIT_LETTERS:
         if code == char_code(ch):
             return _CLASS[f"letter_{ch}"]
@@ -98,6 +100,7 @@ def _char(name: str) -> str:
 
 def _step(state: str, cls: str) -> str:
     """One transition of the content DFA (states are readable names)."""
+    cls = "digit" if cls.startswith("digit") else "sign" if cls in ("plus", "minus") else cls
     if cls == "nul" or state == "reject":
         return state
     if state == "unit":  # unit text: anything without digits (an overflow may hide one)
@@ -186,11 +189,9 @@ class BoxedAutomaton:
         self.accepts = torch.isin(functions[:, start], torch.tensor(sorted(accepting)))  # (F,) from "start"
         self.identity = int(ids_of(torch.arange(n_states)[None])[0])
         code_table = [_class_of_code(c) for c in range(128)]
-        self.code_class = torch.tensor(code_table, dtype=torch.int64)  # (128,) code -> class
+        self.code_class = torch.tensor(code_table, dtype=torch.int32)  # (128,) code -> class
         delta = [1 if c == LBRACE else -1 if c == RBRACE else 0 for c in range(128)]
         self.brace_delta = torch.tensor(delta, dtype=torch.int8)  # (128,) brace depth step
-        digit = [c - DIGIT + 1 if DIGIT <= c < DIGIT + 10 else 0 for c in range(128)]
-        self.digit_plus1 = torch.tensor(digit, dtype=torch.int8)  # (128,) digit value + 1, 0 for non-digits
         self.pow10 = torch.tensor([10**k for k in range(MAX_DIGITS + 1)], dtype=torch.int64)
         self.pow10f = self.pow10.to(torch.float64)
         self._on: dict[torch.device, tuple] = {}
@@ -224,7 +225,7 @@ class BoxedAutomaton:
     def on(self, device: torch.device) -> tuple:
         found = self._on.get(device)
         if found is None:
-            names = ("compose", "pair", "accepts", "code_class", "brace_delta", "digit_plus1", "pow10", "pow10f")
+            names = ("compose", "pair", "accepts", "code_class", "brace_delta", "pow10", "pow10f")
             found = self._on[device] = tuple(getattr(self, n).to(device) for n in names)
         return found
 
@@ -238,19 +239,18 @@ class BoxedAutomaton:
 
     def read(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes (B, N) int8 starting right after ``\\boxed{`` -> ``(value (B,) float64, ok (B,) bool)``."""
-        compose, pair, accepts, code_class, brace_delta, digit_plus1, pow10, pow10f = self.on(codes.device)
+        compose, pair, accepts, code_class, brace_delta, pow10, pow10f = self.on(codes.device)
         batch, n = codes.shape
-        flat = codes.reshape(-1).to(torch.int64)  # (B*N,)
+        flat = codes.to(torch.int64).reshape(-1)  # (B*N,)
         # The matching closing brace: where the running depth first goes below zero (steps of one).
         depth = brace_delta.index_select(0, flat).view(batch, n).cumsum(dim=1, dtype=torch.int32)  # (B, N)
         at, rev = self.positions(n, codes.device)  # (N,) position, n - position
         close = n - ((depth >> 31) & rev).amax(dim=1)  # (B,) N when the box does not close in the window
         inside = at < close[:, None]  # (B, N) the content
         # The grammar: classes (NUL from the closing brace on), pairs, then log2(N) rounds of composition.
-        cls = code_class.index_select(0, flat).view(batch, n) * inside  # (B, N) class 0 = NUL = identity
-        if n % 2:
-            cls = torch.nn.functional.pad(cls, (0, 1))
-        index = torch.add(cls[:, 1::2], cls[:, 0::2], alpha=self.n_classes)  # (B, N/2) left * K + right
+        cls = code_class.index_select(0, flat).view(batch, n) * inside  # (B, N) int32, class 0 = NUL = identity
+        pairs = torch.nn.functional.pad(cls, (0, 1)) if n % 2 else cls
+        index = torch.add(pairs[:, 1::2], pairs[:, 0::2], alpha=self.n_classes)  # (B, N/2) left * K + right
         f = pair.index_select(0, index.reshape(-1)).view(batch, -1)  # (B, N/2) function ids
         while f.shape[1] > 1:  # (B, M) -> (B, M/2)
             if f.shape[1] % 2:
@@ -259,17 +259,16 @@ class BoxedAutomaton:
             f = compose.index_select(0, index.reshape(-1)).view(batch, -1)
         valid = accepts.index_select(0, f[:, 0]) & (close < n)  # (B,)
         # The value: the content's digits are the number's (the grammar allows none elsewhere).
-        digit1 = digit_plus1.index_select(0, flat).view(batch, n) * inside  # (B, N) digit + 1, 0 elsewhere
-        is_digit = digit1 > 0
+        is_digit = cls >= DIGIT0  # (B, N)
         n_digits = is_digit.sum(dim=1, dtype=torch.int32)  # (B,)
-        rank = n_digits[:, None] - is_digit.cumsum(dim=1, dtype=torch.int32)  # (B, N) digits to the right
-        place = pow10.index_select(0, rank.clamp_(0, MAX_DIGITS).reshape(-1)).view(batch, n)  # (B, N) int64
-        mantissa = ((digit1 - 1).clamp_(min=0) * place).sum(dim=1)  # (B,) int64, exact
-        dot = n - ((codes == DOT) * inside * rev).amax(dim=1)  # (B,) the first dot of the content, N when none
-        fraction = rank.gather(1, dot.clamp(max=n - 1)[:, None].to(torch.int64))[:, 0] * (dot < n)  # digits after it
+        rank = (n_digits[:, None] - is_digit.cumsum(dim=1, dtype=torch.int32)).clamp_(0, MAX_DIGITS)  # digits after
+        place = pow10.index_select(0, rank.reshape(-1)).view(batch, n)  # (B, N) int64
+        mantissa = ((cls - DIGIT0).clamp_(min=0) * place).sum(dim=1)  # (B,) int64, exact
+        # Digits after the dot: the rank at the first dot (a later one, in unit text, has no digits after it).
+        fraction = ((cls == DOT_CLASS) * rank).amax(dim=1)  # (B,)
         value = mantissa.to(torch.float64) / pow10f.index_select(0, fraction)
-        # A sign stands before the first digit (a "-" in unit text comes after it).
-        negative = ((codes == MINUS) & (rank == n_digits[:, None]) & inside).sum(dim=1, dtype=torch.int32) > 0
+        # A sign stands before the first digit, where the rank is every digit (a "-" in unit text comes after).
+        negative = ((cls == MINUS_CLASS) * rank).amax(dim=1) == n_digits
         value = torch.where(negative, -value, value)
         return value, valid & (n_digits <= MAX_DIGITS)
 

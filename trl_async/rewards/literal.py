@@ -218,6 +218,22 @@ class PackedLiteral:
         return found
 
 
+_PRE_AND_FLAGS = 0xFF0000FF - 2**32  # int32 mask keeping bytes 0 (pre) and 3 (flags)
+_POSITIONS: dict = {}
+
+
+def _positions(length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(1 .. L, L .. 1)`` in ``dtype`` on ``device``, cached."""
+    key = (length, dtype, device)
+    found = _POSITIONS.get(key)
+    if found is None:
+        if len(_POSITIONS) >= 64:  # completion lengths vary from batch to batch: keep the cache small
+            _POSITIONS.clear()
+        plus1 = torch.arange(1, length + 1, device=device, dtype=dtype)
+        found = _POSITIONS[key] = (plus1, length + 1 - plus1)
+    return found
+
+
 def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, max_chain: int):
     """Where the last occurrence of the literal before the first EOS ends, in one pass over raw ids.
 
@@ -233,14 +249,13 @@ def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, m
     batch, length = ids.shape
     key = ids.to(torch.int32).add_(1).clamp_(0, packed.vocab_size + 1)  # (B, L) row of the packed table
     code = code_table.index_select(0, key.view(-1)) * mask.view(-1)  # (B*L,) int32, null outside the mask
+    # The rows run on one flat sequence: a row's first token continues no match from the row before (no mid, no post).
+    code.view(batch, length)[:, 0] &= _PRE_AND_FLAGS
     pre = code.to(torch.uint8)  # the byte fields, each (B*L,) contiguous
     mid = (code >> 8).to(torch.uint8)
     post = (code >> 16).to(torch.uint8)
     flags = (code >> 24).to(torch.uint8)
     shift = flags & 15
-    # The rows run on one flat sequence: a row's first token continues no match from the row before.
-    mid.view(batch, length)[:, 0] = 0
-    post.view(batch, length)[:, 0] = 0
     state = torch.empty(batch * length + 1, dtype=torch.uint8, device=ids.device)  # state[i]: before token i
     state[0] = 0
     state[1:] = pre  # partial matches alive after each token (bit k: S[:k] consumed)
@@ -252,8 +267,8 @@ def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, m
     event = (ends | (flags & 16).view(batch, length)).clamp_(max=1)  # (B, L) 0/1
     eos = (flags >> 5).view(batch, length)  # (B, L) 0/1
     small = torch.int16 if length < 2**14 else torch.int32  # position arithmetic in the narrowest type
-    positions = torch.arange(1, length + 1, device=ids.device, dtype=small)  # (L,) position + 1
-    first_eos = length - (eos * (length + 1 - positions)).amax(dim=1)  # (B,) L when there is no EOS
+    positions, from_end = _positions(length, small, ids.device)  # (L,) position + 1, L - position
+    first_eos = length - (eos * from_end).amax(dim=1)  # (B,) L when there is no EOS
     before_eos = (positions - (first_eos + 1)[:, None]) >> (torch.iinfo(small).bits - 1)  # -1 before the EOS, else 0
     last = ((event * positions) & before_eos).amax(dim=1).to(torch.int64) - 1  # (B,) -1: none
     at = last.clamp(min=0)[:, None]
