@@ -311,11 +311,8 @@ def _compact(codes: torch.Tensor, keep: int, from_right: bool):
         out = torch.zeros((codes.shape[0], keep + 1), dtype=codes.dtype, device=codes.device)
         return out.scatter_reduce_(1, target, codes, "amax")[:, :keep], seen[:, -1] <= keep
     present = codes != NUL  # (B, N)
-    if from_right:
-        behind = present.flip(1).cumsum(dim=1).flip(1)  # characters from here to the end, this one included
-        target = keep - behind
-    else:
-        target = present.cumsum(dim=1) - 1
+    behind = present.flip(1).cumsum(dim=1).flip(1)  # characters from here to the end, this one included
+    target = keep - behind
     target = torch.where(present & (target >= 0) & (target < keep), target, keep)  # keep = the discard slot
     out = torch.full((codes.shape[0], keep + 1), NUL, dtype=codes.dtype, device=codes.device)
     return out.scatter_(1, target, codes)[:, :keep], present.sum(dim=1) <= keep
