@@ -170,3 +170,26 @@ def test_one_pass_last_literal_equals_the_automaton_on_any_token_split(which, qw
         assert torch.equal(offset[found], want_offset[found]), literal
         assert torch.equal(first_eos, want_first_eos), literal
         assert 20 < int(found.sum()) < 380, literal  # both outcomes are exercised
+
+
+def test_every_reward_scores_a_batch_of_empty_completions(qwen_tokenizer):
+    """A batch whose completions are all empty (TRL path: empty id lists; tensor path: a (B, 0) batch) scores like
+    any other batch instead of failing on an empty dimension."""
+    from trl_async.rewards import TargetLengthReward, TokenPatternReward
+
+    rewards = [
+        MathAnswerReward(qwen_tokenizer),
+        MathAnswerReward(qwen_tokenizer, answer_format="hash"),
+        MathAnswerReward(qwen_tokenizer, answer_format="last_number"),
+        FormatReward(qwen_tokenizer),
+        TokenPatternReward(qwen_tokenizer),
+        SoftOverlongPunishment(8, 4),
+        TargetLengthReward(5),
+    ]
+    columns = {"answer": ["1", "2"], "pattern": ["72", "1"]}
+    for reward in rewards:
+        via_trl = reward(prompts=["p", "q"], completions=["", ""], completion_ids=[[], []], **columns)
+        via_tensor = reward.score(torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool), **columns)
+        assert via_trl == via_tensor.tolist() and len(via_trl) == 2, reward
+        if isinstance(reward, (MathAnswerReward, FormatReward, TokenPatternReward)):
+            assert via_trl == [0.0, 0.0], reward

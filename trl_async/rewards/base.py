@@ -55,7 +55,7 @@ class TensorReward:
     def before_eos(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
         """Positions inside the mask and strictly before the first EOS. # (B, L) bool"""
         keep = completion_mask.bool()
-        if not self.eos_token_ids:
+        if not self.eos_token_ids or completion_ids.shape[1] == 0:  # (an empty batch has no EOS to look for)
             return keep
         is_eos = completion_ids == self.eos_token_ids[0]
         for eos_id in self.eos_token_ids[1:]:  # a fixed handful of ids, not a loop over data
@@ -84,14 +84,23 @@ class TensorReward:
 
 
 def pad_right(rows: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged id lists -> ``(B, L)`` long ids and bool mask (host side, used by the TRL path only)."""
-    width = max((len(r) for r in rows), default=0)
+    """Ragged id lists -> ``(B, L)`` long ids and bool mask (host side, used by the TRL path only); ``L >= 1`` (a
+    batch of empty completions gets one masked column)."""
+    width = max((len(r) for r in rows), default=1) or 1
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # (B, L)
     mask = torch.zeros((len(rows), width), dtype=torch.bool)  # (B, L)
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
         mask[i, : len(row)] = True
     return ids, mask
+
+
+def at_least_one_column(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` with one masked column added when ``L == 0`` (a batch of empty completions), so that the
+    readers' reductions over ``L`` have something to reduce. A shape check, not a data-dependent branch."""
+    if ids.shape[1] > 0:
+        return ids, mask
+    return torch.nn.functional.pad(ids, (0, 1)), torch.nn.functional.pad(mask, (0, 1))
 
 
 def column_tensor(values: Any, device: torch.device, parse: Callable[[Any], float], batch: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .base import TensorReward
+from .base import TensorReward, at_least_one_column
 from .literal import find_literal
 from .vocab_tables import VocabTables
 
@@ -70,6 +70,7 @@ class FormatReward(TensorReward):
         self.literals = [self.vocab.literal(t) for t in literals]
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns) -> torch.Tensor:
+        completion_ids, completion_mask = at_least_one_column(completion_ids, completion_mask)
         keep = self.before_eos(completion_ids, completion_mask)  # (B, L)
         tokens = self.vocab.map_ids(completion_ids, keep)  # (B, L)
         t = self.vocab.on(tokens.device)

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from .base import TensorReward, column_tensor
+from .base import TensorReward, at_least_one_column, column_tensor
 from .boxed_automaton import MAX_DIGITS, UNIT_COMMANDS, boxed_automaton
 from .literal import PackedLiteral, find_literal, last_literal
 from .vocab_tables import (
@@ -224,6 +224,7 @@ class MathAnswerReward(TensorReward):
 
     def extract(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor):
         """The final answers: ``(value (B,) float64, found (B,) bool)``; value is 0 where nothing was found."""
+        completion_ids, completion_mask = at_least_one_column(completion_ids, completion_mask)
         if self.packed is not None:
             return self._extract_packed(completion_ids, completion_mask.bool())
         keep = self.before_eos(completion_ids, completion_mask)  # (B, L)

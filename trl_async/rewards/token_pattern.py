@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .base import TensorReward
+from .base import TensorReward, at_least_one_column
 from .literal import find_literal
 from .vocab_tables import VocabTables
 
@@ -106,6 +106,7 @@ class TokenPatternReward(TensorReward):
 
     def matches(self, completion_ids, completion_mask, pattern: torch.Tensor) -> torch.Tensor:
         """Whether any form of each sample's pattern occurs where the anchor requires. # (B, P, K) -> (B,) bool"""
+        completion_ids, completion_mask = at_least_one_column(completion_ids, completion_mask)
         keep = self.before_eos(completion_ids, completion_mask)  # (B, L)
         batch, length = completion_ids.shape
         width = pattern.shape[-1]
