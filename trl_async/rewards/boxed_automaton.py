@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .positions import Positions
 from .vocab_tables import (
     BACKSLASH,
     COMMA,
@@ -195,7 +196,6 @@ class BoxedAutomaton:
         self.pow10 = torch.tensor([10**k for k in range(MAX_DIGITS + 1)], dtype=torch.int64)
         self.pow10f = self.pow10.to(torch.float64)
         self._on: dict[torch.device, tuple] = {}
-        self._positions: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @staticmethod
     def _closure(generators: torch.Tensor, n_states: int) -> torch.Tensor:
@@ -229,14 +229,6 @@ class BoxedAutomaton:
             found = self._on[device] = tuple(getattr(self, n).to(device) for n in names)
         return found
 
-    def positions(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(arange(n), n - arange(n))`` as int32 on ``device``, cached."""
-        found = self._positions.get((n, device))
-        if found is None:
-            at = torch.arange(n, device=device, dtype=torch.int32)
-            found = self._positions[(n, device)] = (at, n - at)
-        return found
-
     def read(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Codes (B, N) int8 starting right after ``\\boxed{`` -> ``(value (B,) float64, ok (B,) bool)``."""
         compose, pair, accepts, code_class, brace_delta, pow10, pow10f = self.on(codes.device)
@@ -244,7 +236,8 @@ class BoxedAutomaton:
         flat = codes.to(torch.int64).reshape(-1)  # (B*N,)
         # The matching closing brace: where the running depth first goes below zero (steps of one).
         depth = brace_delta.index_select(0, flat).view(batch, n).cumsum(dim=1, dtype=torch.int32)  # (B, N)
-        at, rev = self.positions(n, codes.device)  # (N,) position, n - position
+        axis = Positions.of(n, codes.device)
+        at, rev = axis.at, axis.rev  # (N,) position, n - position
         close = n - ((depth >> 31) & rev).amax(dim=1)  # (B,) N when the box does not close in the window
         inside = at < close[:, None]  # (B, N) the content
         # The grammar: classes (NUL from the closing brace on), pairs, then log2(N) rounds of composition.

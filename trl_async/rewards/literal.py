@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .positions import Positions
+
 
 def _nonspace(text: str) -> int:
     return sum(not c.isspace() for c in text)
@@ -219,19 +221,6 @@ class PackedLiteral:
 
 
 _PRE_AND_FLAGS = 0xFF0000FF - 2**32  # int32 mask keeping bytes 0 (pre) and 3 (flags)
-_POSITIONS: dict = {}
-
-
-def _positions(length: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(1 .. L, L .. 1)`` in ``dtype`` on ``device``, cached."""
-    key = (length, dtype, device)
-    found = _POSITIONS.get(key)
-    if found is None:
-        if len(_POSITIONS) >= 64:  # completion lengths vary from batch to batch: keep the cache small
-            _POSITIONS.clear()
-        plus1 = torch.arange(1, length + 1, device=device, dtype=dtype)
-        found = _POSITIONS[key] = (plus1, length + 1 - plus1)
-    return found
 
 
 def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, max_chain: int):
@@ -267,7 +256,8 @@ def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, m
     event = (ends | (flags & 16).view(batch, length)).clamp_(max=1)  # (B, L) 0/1
     eos = (flags >> 5).view(batch, length)  # (B, L) 0/1
     small = torch.int16 if length < 2**14 else torch.int32  # position arithmetic in the narrowest type
-    positions, from_end = _positions(length, small, ids.device)  # (L,) position + 1, L - position
+    axis = Positions.of(length, ids.device, small)
+    positions, from_end = axis.plus1, axis.rev  # (L,) position + 1, L - position
     first_eos = length - (eos * from_end).amax(dim=1)  # (B,) L when there is no EOS
     before_eos = (positions - (first_eos + 1)[:, None]) >> (torch.iinfo(small).bits - 1)  # -1 before the EOS, else 0
     last = ((event * positions) & before_eos).amax(dim=1).to(torch.int64) - 1  # (B,) -1: none

@@ -52,6 +52,7 @@ import torch
 from .base import TensorReward, at_least_one_column, column_tensor
 from .boxed_automaton import MAX_DIGITS, UNIT_COMMANDS, boxed_automaton
 from .literal import PackedLiteral, find_literal, last_literal
+from .positions import Positions
 from .vocab_tables import (
     BACKSLASH,
     COMMA,
@@ -328,42 +329,6 @@ def _any(x: torch.Tensor) -> torch.Tensor:
     return x.sum(dim=1, dtype=torch.int32) > 0
 
 
-class _Positions:
-    """Character positions of a (B, N) window as int32 (reductions over int64 are several times slower on CPU), first
-    / last True position of a mask as one multiply and one max (instead of ``where`` + ``amin``), and the comma
-    slots of the number grammar as one row lookup. Made once per (N, device) and cached (:meth:`of`)."""
-
-    def __init__(self, n: int, device: torch.device):
-        self.n = n
-        self.at = torch.arange(n, device=device, dtype=torch.int32)  # (N,)
-        self.plus1 = self.at + 1
-        self.rev = n - self.at
-        # row e (0 .. n): (e - position) % 4 == 0, where commas stand when an integer part ends at e
-        self.comma_slot = (torch.arange(n + 1, device=device)[:, None] - self.at) % 4 == 0  # (N + 1, N)
-
-    _cache: dict = {}
-
-    @classmethod
-    def of(cls, n: int, device: torch.device) -> _Positions:
-        """The (cached) positions of an ``n``-character window on ``device``."""
-        found = cls._cache.get((n, device))
-        if found is None:
-            found = cls._cache[(n, device)] = cls(n, device)
-        return found
-
-    def first(self, mask: torch.Tensor) -> torch.Tensor:
-        """Position of the first True per row, N where none. # (B, N) -> (B,) int32"""
-        return self.n - (mask * self.rev).amax(dim=1)
-
-    def last(self, mask: torch.Tensor) -> torch.Tensor:
-        """Position of the last True per row, -1 where none. # (B, N) -> (B,) int32"""
-        return (mask * self.plus1).amax(dim=1) - 1
-
-    def lt(self, f: torch.Tensor) -> torch.Tensor:
-        """``position < f[b]``. # (B,) -> (B, N) bool"""
-        return self.at < f[:, None]
-
-
 # Character classes: bit k of a per-code int32 table (one lookup per window, then an `&` per class used).
 _ESCAPABLE, _PLAIN, _BACKSLASH, _DIGIT, _BODY_CHAR, _SIGN, _MINUS, _DOT, _COMMA = range(9)
 
@@ -439,7 +404,7 @@ def _constant(device: torch.device, name: str) -> torch.Tensor:
     return found
 
 
-def _number(codes, body, is_digit, negative, pos: _Positions, chars: _Chars):
+def _number(codes, body, is_digit, negative, pos: Positions, chars: _Chars):
     """Validate the number grammar on a contiguous ``body`` span and compute its value. -> (B,) float64, (B,) bool"""
     n = codes.shape[1]
     first = pos.first(body)  # (B,)
@@ -454,7 +419,7 @@ def _number(codes, body, is_digit, negative, pos: _Positions, chars: _Chars):
     int_end = torch.minimum(dot, last + 1)  # (B,)
     int_part = body & pos.lt(int_end)
     has_comma = _any(commas)[:, None]
-    comma_slot = pos.comma_slot.index_select(0, int_end.long())  # (int_end - i) % 4 == 0
+    comma_slot = ((int_end[:, None] - pos.at) & 3) == 0  # (int_end - i) % 4 == 0, also below 0
     grouped = ~_any(int_part & (commas ^ (has_comma & comma_slot)))
     n_digits = digits.sum(dim=1, dtype=torch.int32)
     after_dot = ~pos.lt(dot + 1)
@@ -482,7 +447,7 @@ def _read_hash(codes: torch.Tensor, text_ends_in_window: torch.Tensor):
     chars = _Chars(codes)
     ignorable, body, sign, is_digit = _classes(chars)
     n = codes.shape[1]
-    pos = _Positions.of(n, codes.device)
+    pos = Positions.of(n, codes.device)
     positions = pos.at
     first = pos.first(body)  # (B,) run start
     before = positions < first[:, None]
@@ -503,7 +468,7 @@ def _read_last_number(codes: torch.Tensor, text_starts_in_window: torch.Tensor):
     optional ``-`` before it."""
     n = codes.shape[1]
     chars = _Chars(codes)
-    pos = _Positions.of(n, codes.device)
+    pos = Positions.of(n, codes.device)
     positions = pos.at
     is_digit = chars(_DIGIT)
     runnable = chars(_BODY_CHAR)
