@@ -193,3 +193,17 @@ def test_every_reward_scores_a_batch_of_empty_completions(qwen_tokenizer):
         assert via_trl == via_tensor.tolist() and len(via_trl) == 2, reward
         if isinstance(reward, (MathAnswerReward, FormatReward, TokenPatternReward)):
             assert via_trl == [0.0, 0.0], reward
+
+
+def test_positions_made_while_tracing_are_not_cached():
+    """A reward first called on fake tensors (shape checks, tracing) must not leave fake positions in the cache for
+    the real calls after it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trl_async.rewards.positions import Positions
+
+    n = 4099  # a length no other test uses
+    with FakeTensorMode():
+        Positions.of(n, torch.device("cpu"), torch.int16)
+    real = Positions.of(n, torch.device("cpu"), torch.int16)
+    assert type(real.at) is torch.Tensor and real.at[-1].item() == n - 1

@@ -84,3 +84,51 @@ def test_patterns_are_tokenised_once_per_string(qwen_tokenizer):
     reward.score(ids, mask, answer=["72", "72", "8", "72"])
     reward.score(ids, mask, answer=["8", "72", "8", "8"])
     assert sorted(calls) == sorted(["72", " 72", "8", " 8"])
+
+
+def reference_matches(reward, ids, mask, pattern, eos_id):
+    """The rule in plain Python, one sample at a time: the text is the masked ids before the first masked EOS (a
+    hole in the mask breaks a match); a pattern form (its ids before the -1 padding) must occur anywhere, or end at
+    the last token with a non-whitespace character."""
+    nonspace = reward.vocab.on("cpu").nonspace
+    out = []
+    for row, keep, forms in zip(ids.tolist(), mask.tolist(), pattern.tolist()):
+        text = []
+        for token, k in zip(row, keep):
+            if k and token == eos_id:
+                break
+            text.append(token if k else None)
+        visible = [i for i, t in enumerate(text) if t is not None and 0 <= t < len(nonspace) - 1 and nonspace[t] > 0]
+        hit = False
+        for form in forms:
+            form = form[: form.index(-1)] if -1 in form else form
+            starts = [s for s in range(len(text) - len(form) + 1) if form and text[s : s + len(form)] == form]
+            if reward.anchor == "end":
+                starts = [s for s in starts if visible and s + len(form) - 1 == visible[-1]]
+            hit = hit or bool(starts)
+        out.append(float(hit))
+    return out
+
+
+@pytest.mark.parametrize("anchor", ["anywhere", "end"])
+def test_matching_agrees_with_a_plain_python_reference(qwen_tokenizer, anchor):
+    """Random batches over a 6-token alphabet (so patterns do occur), with spaces, EOS, holes in the mask, ids
+    outside the vocabulary, and 1-3 pattern forms of 0-5 tokens padded with -1."""
+    gen = torch.Generator().manual_seed(0)
+    eos = qwen_tokenizer.eos_token_id
+    alphabet = torch.tensor(qwen_tokenizer("a b7", add_special_tokens=False).input_ids + [220, eos])  # 220: " "
+    reward = TokenPatternReward(qwen_tokenizer, anchor=anchor)
+    hits = 0
+    for trial in range(40):
+        batch, length, forms, width = 16, int(torch.randint(1, 12, (1,), generator=gen)), 1 + trial % 3, 5
+        ids = alphabet[torch.randint(0, len(alphabet), (batch, length), generator=gen)]
+        ids[torch.rand(batch, length, generator=gen) < 0.03] = -100
+        mask = (torch.arange(length) < torch.randint(0, length + 1, (batch, 1), generator=gen)).long()
+        mask[torch.rand(batch, length, generator=gen) < 0.05] = 0
+        pattern = alphabet[:-1][torch.randint(0, len(alphabet) - 1, (batch, forms, width), generator=gen)]
+        sizes = torch.randint(0, width + 1, (batch, forms, 1), generator=gen)
+        pattern = torch.where(torch.arange(width) < sizes, pattern, -1)
+        got = reward.score(ids, mask, answer=pattern).tolist()
+        assert got == reference_matches(reward, ids, mask, pattern, eos), (ids, mask, pattern)
+        hits += sum(got)
+    assert 20 < hits < 600  # both outcomes are exercised (of 640 samples)

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .positions import Positions
+
 
 class TensorReward:
     """Base class of tensor-native rewards (see the module docstring).
@@ -53,17 +55,24 @@ class TensorReward:
         raise NotImplementedError
 
     def before_eos(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
-        """Positions inside the mask and strictly before the first EOS. # (B, L) bool"""
+        """Positions inside the mask and strictly before the first EOS inside the mask. # (B, L) bool
+
+        Arithmetic, not comparisons: on a CPU ``ids == eos``, ``argmax`` and ``<`` over the (B, L) batch each cost
+        4-8x an int32 xor / cast / shift, and this runs for every reward on every batch."""
         keep = completion_mask.bool()
-        if not self.eos_token_ids or completion_ids.shape[1] == 0:  # (an empty batch has no EOS to look for)
-            return keep
-        is_eos = completion_ids == self.eos_token_ids[0]
-        for eos_id in self.eos_token_ids[1:]:  # a fixed handful of ids, not a loop over data
-            is_eos = is_eos | (completion_ids == eos_id)
-        is_eos = is_eos & keep  # (B, L)
         length = completion_ids.shape[1]
-        first = torch.where(is_eos.any(dim=1), is_eos.to(torch.uint8).argmax(dim=1), length)  # (B,) first EOS
-        return keep & (torch.arange(length, device=keep.device) < first[:, None])
+        if not self.eos_token_ids or length == 0:  # (an empty batch has no EOS to look for)
+            return keep
+        ids = completion_ids.to(torch.int32)  # (B, L) (token ids fit in int32)
+        is_eos = ~(ids ^ self.eos_token_ids[0]).bool()
+        for eos_id in self.eos_token_ids[1:]:  # a fixed handful of ids, not a loop over data
+            is_eos |= ~(ids ^ eos_id).bool()
+        is_eos &= keep  # (B, L)
+        small = torch.int16 if length < 2**14 else torch.int32
+        axis = Positions.of(length, completion_ids.device, small)
+        first = axis.first(is_eos)  # (B,) L when there is none
+        before = (axis.at - first[:, None]) >> (torch.iinfo(small).bits - 1)  # (B, L) -1 before the first EOS, else 0
+        return keep & before.bool()
 
     # ---- TRL's reward-function signature ----------------------------------------------------------------------------
     def __call__(self, prompts=None, completions=None, completion_ids=None, **kwargs: Any) -> list[float]:

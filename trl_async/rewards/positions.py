@@ -28,9 +28,11 @@ class Positions:
         key = (n, device, dtype)
         found = cls._cache.get(key)
         if found is None:
-            if len(cls._cache) >= cls._MAX_CACHED:
-                cls._cache.clear()
-            found = cls._cache[key] = cls(n, device, dtype)
+            found = cls(n, device, dtype)
+            if type(found.at) is torch.Tensor:  # not a FakeTensor (made while tracing): it must not outlive the trace
+                if len(cls._cache) >= cls._MAX_CACHED:
+                    cls._cache.clear()
+                cls._cache[key] = found
         return found
 
     def first(self, mask: torch.Tensor) -> torch.Tensor:
