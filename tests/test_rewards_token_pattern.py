@@ -132,3 +132,11 @@ def test_matching_agrees_with_a_plain_python_reference(qwen_tokenizer, anchor):
         assert got == reference_matches(reward, ids, mask, pattern, eos), (ids, mask, pattern)
         hits += sum(got)
     assert 20 < hits < 600  # both outcomes are exercised (of 640 samples)
+
+
+def test_a_spaced_form_ending_with_the_plain_one_is_not_kept(qwen_tokenizer):
+    """' 72' tokenises as ' ' + '7' '2': every match of it is a match of '72', so it is dropped (one form to scan);
+    ' Paris' is one token unlike 'Paris', so both forms stay."""
+    reward = TokenPatternReward(qwen_tokenizer)
+    assert reward.variants("72") == [qwen_tokenizer("72", add_special_tokens=False).input_ids]
+    assert len(reward.variants("Paris")) == 2
