@@ -1,4 +1,4 @@
-"""The CPU demo: asynchronous GRPO with LoRA on SmolLM2-135M-Instruct, offline, in about five minutes.
+"""The CPU demo: asynchronous GRPO with LoRA on SmolLM2-135M-Instruct, offline, in about eight minutes on 2 cores.
 
     python -m trl_async.demo [--config recipes/SmolLM2-135M-Instruct/async_grpo/config_cpu_demo.yaml] [--max-steps N]
 
@@ -38,7 +38,10 @@ def addition_problems(n: int, max_operand: int, seed: int):
     rows = []
     for _ in range(n):
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
-        question = f"What is {a} + {b}? Reply with the result in \\boxed{{}}."
+        # With an example of the format, ~11% of the base model's samples (T=1) end with one box, against ~2% for
+        # "Reply with the result in \boxed{}.": with 8 samples a step, most steps then carry a learning signal. The
+        # example is no possible sum: with \boxed{10} the policy learned to copy it, which paid whenever a + b = 10.
+        question = f"What is {a} + {b}? End your reply with the result in \\boxed{{}}, for example \\boxed{{100}}."
         rows.append({"prompt": [{"role": "user", "content": question}], "answer": str(a + b)})
     return Dataset.from_list(rows)
 
