@@ -212,7 +212,7 @@ def markdown(rows) -> str:
         lines.append(f"| {r['B']} | {r['L']} | {r['device']} | {r['method']} | {r['per_s']:,.0f} | {speedup} |")
     lines += [
         "",
-        "The seed's rule (its pattern anywhere before EOS) as tensor ops, `TokenPatternReward(anchor=\"anywhere\")`:",
+        'The seed\'s rule (its pattern anywhere before EOS) as tensor ops, `TokenPatternReward(anchor="anywhere")`:',
         "",
         "| B | L | device | samples/s (median) | faster than the seed loop by |",
         "|---:|---:|---|---:|---:|",
