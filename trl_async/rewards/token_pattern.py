@@ -27,6 +27,7 @@ import torch
 
 from .base import TensorReward, at_least_one_column
 from .literal import find_literal
+from .positions import Positions
 from .vocab_tables import VocabTables
 
 ANCHORS = ("end", "span", "anywhere")
@@ -142,8 +143,7 @@ class TokenPatternReward(TensorReward):
         length = completion_ids.shape[1]
         t = self.vocab.on(completion_ids.device)
         visible = VocabTables.take(t.nonspace, self.vocab.map_ids(completion_ids, keep)) > 0  # (B, L)
-        positions = torch.arange(length, device=completion_ids.device)  # (L,)
-        last_visible = torch.where(visible, positions, -1).amax(dim=1)  # (B,) -1: none
+        last_visible = Positions.of(length, completion_ids.device).last(visible).to(torch.int64)  # (B,) -1: none
         start = last_visible[:, None] - pattern_len + 1  # (B, P) where the match would start
         index = start[:, :, None] + torch.arange(want.shape[-1], device=want.device)  # (B, P, K)
         got = tokens.gather(1, index.clamp(0, length - 1).flatten(1)).view(want.shape)  # (B, P, K)
