@@ -9,7 +9,7 @@ import torch
 
 from trl_async.rewards import final_answer
 from trl_async.rewards.boxed_automaton import CLASSES, BoxedAutomaton, boxed_automaton
-from trl_async.rewards.vocab_tables import NUL, OVERFLOW, char_code
+from trl_async.rewards.vocab_tables import HIDDEN_TEXT, NUL, OVERFLOW, char_code
 
 WIDTH = 64
 
@@ -68,6 +68,18 @@ def test_an_overflowing_token_inside_the_box_is_never_read(where):
     codes[0, text.index("@")] = OVERFLOW
     assert final_answer("\\boxed{" + text.replace("@", " ")) is not None
     assert not boxed_automaton().read(codes)[1].item()
+
+
+@pytest.mark.parametrize("where", ["sign", "number", "after", "unit"])
+def test_hidden_text_is_read_only_as_unit_text(where):
+    """HIDDEN_TEXT stands for hidden characters that hold no digit and no brace (a long unit word): unit text may
+    hold them; anywhere else they are not a number's part, so the box is not read (as for OVERFLOW)."""
+    text = {"sign": "-@72}", "number": "72@}", "after": "72 \\,@}", "unit": "72 \\text{ @}}"}[where]
+    codes = codes_of([text.replace("@", " ")])
+    codes[0, text.index("@")] = HIDDEN_TEXT
+    value, ok = boxed_automaton().read(codes)
+    assert ok.item() == (where == "unit")
+    assert value.item() == 72.0 or where != "unit"
 
 
 def test_overflow_after_the_closing_brace_is_ignored():

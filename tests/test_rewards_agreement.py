@@ -53,7 +53,8 @@ def _show(rng: random.Random, value) -> str:
     if style < 0.18:
         return f" {text} "
     if style < 0.24:
-        return text + rng.choice(["\\text{ dollars}", " \\text{ apples}", "\\ \\text{hours}", "\\mbox{ km}"])
+        units = ["\\text{ dollars}", " \\text{ apples}", "\\ \\text{hours}", "\\mbox{ km}", " \\text{ students}"]
+        return text + rng.choice(units + ["\\text{ kilometers}", " \\text{ cupcakes}"])  # one-token words > 8 chars
     if style < 0.25:
         return text + rng.choice(["\\%", "%"])
     return text
@@ -283,7 +284,7 @@ def test_boxed_agrees_with_math_verify(which, qwen_tokenizer, mv_reference):
     agreement, by_reason = report(f"boxed vs math-verify, {which}", cases, ours, disagreements, reason)
     assert None not in by_reason, by_reason.get(None, [])[:5]  # every disagreement has a documented reason
     assert agreement >= 0.995
-    assert 0.15 < sum(ours) / len(ours) < 0.6  # the corpus pays and withholds
+    assert 0.15 < sum(ours) / len(ours) < 0.7  # the corpus pays and withholds
 
 
 @pytest.mark.parametrize("which", ["qwen", "smollm2"])

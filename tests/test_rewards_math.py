@@ -68,6 +68,10 @@ BOXED_CASES = [  # (completion, target, reward)
     ("\\boxed{\\text{72}}", "72", 0.0),  # a number inside \text is not read
     ("\\boxed{seventy-two}", "72", 0.0),
     ("\\boxed{72 \\text{ or 73}}", "72", 0.0),  # a digit in the unit text
+    # unit words longer than the tables keep of a token (" students" is one 9-character token in Qwen2.5)
+    ("\\boxed{12 \\text{ students}}", "12", 1.0),
+    ("There are \\boxed{18\\text{ kilometers}} left.", "18", 1.0),
+    ("\\boxed{3 \\text{ centimeters} 4}", "3", 0.0),  # a digit after the long word
 ]
 
 

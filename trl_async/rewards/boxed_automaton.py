@@ -17,8 +17,9 @@ Invariants (tested against the string specification on fuzzed and generated text
 * :meth:`BoxedAutomaton.read` agrees with :func:`~trl_async.rewards.math_answer.final_answer` (``"boxed"``) on the
   text after the opener, whenever the window holds the text up to the closing brace.
 * NUL (padding) is the identity; characters from the matching closing brace on are read as NUL.
-* :data:`~trl_async.rewards.vocab_tables.OVERFLOW` (hidden characters of a long token) is rejected everywhere, unit
-  text included, since it may hide a digit.
+* :data:`~trl_async.rewards.vocab_tables.OVERFLOW` (hidden characters of a long token that may be a digit or a
+  brace) is rejected everywhere, unit text included; :data:`~trl_async.rewards.vocab_tables.HIDDEN_TEXT` (hidden
+  characters without either, a long unit word) is read only as unit text.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .vocab_tables import (
     DOLLAR,
     DOT,
     EQUALS,
+    HIDDEN_TEXT,
     LBRACE,
     LOWER,
     MINUS,
@@ -54,7 +56,7 @@ MAX_DIGITS = 18  # int64 mantissa stays exact
 _UNIT_LETTERS = sorted({ch for command in UNIT_COMMANDS for ch in command[1:-1]})
 CLASSES = (
     ["nul", "space", "dollar", "percent", "lbrace", "rbrace", "backslash", "spacing", "equals", "plus", "minus"]
-    + ["dot", "comma", "ascii_letter", "other", "overflow"]
+    + ["dot", "comma", "ascii_letter", "other", "overflow", "hidden_text"]
     + [f"letter_{ch}" for ch in _UNIT_LETTERS]
     + [f"digit{d}" for d in range(10)]  # last, so that class - DIGIT0 is the digit's value
 )
@@ -67,7 +69,7 @@ def _class_of_code(code: int) -> int:
     single = {
         NUL: "nul", SPACE: "space", DOLLAR: "dollar", PERCENT: "percent", LBRACE: "lbrace", RBRACE: "rbrace",
         BACKSLASH: "backslash", SPACING: "spacing", EQUALS: "equals", PLUS: "plus", MINUS: "minus", DOT: "dot",
-        COMMA: "comma", OVERFLOW: "overflow",
+        COMMA: "comma", OVERFLOW: "overflow", HIDDEN_TEXT: "hidden_text",
     }  # fmt: skip
     if code in single:
         return _CLASS[single[code]]
@@ -104,7 +106,7 @@ def _step(state: str, cls: str) -> str:
     cls = "digit" if cls.startswith("digit") else "sign" if cls in ("plus", "minus") else cls
     if cls == "nul" or state == "reject":
         return state
-    if state == "unit":  # unit text: anything without digits (an overflow may hide one)
+    if state == "unit":  # unit text: anything without digits (an overflow may hide one; hidden text does not)
         return "reject" if cls in ("digit", "overflow") else "unit"
     if state.startswith("cmd:"):  # spelling a unit command after "\"
         spelled = state[4:] + _char(cls)

@@ -59,6 +59,7 @@ from .vocab_tables import (
     DIGIT,
     DOLLAR,
     DOT,
+    HIDDEN_TEXT,
     LETTER,
     LOWER,
     MINUS,
@@ -168,7 +169,8 @@ class MathAnswerReward(TensorReward):
         rel_tol, abs_tol: the comparison tolerance, ``|value - target| <= abs_tol + rel_tol * |target|``.
         max_answer_tokens, max_answer_chars: how much text is read after the opener (before the last digit for
             ``last_number``); a longer answer is not read (reward 0).
-        token_chars: characters kept per token in the tables (longer tokens are read conservatively: never a number).
+        token_chars: characters kept per token in the tables (a longer token is read conservatively: its hidden text
+            is never part of a number; without digits or braces it may be unit text).
         eos_token_ids, name: see :class:`~trl_async.rewards.TensorReward`.
 
     TRL: ``reward(prompts, completions, completion_ids, answer=[...])``; tensor: ``reward.score(ids, mask,
@@ -455,7 +457,7 @@ def _read_hash(codes: torch.Tensor, text_ends_in_window: torch.Tensor):
     negative = _any(before & chars(_MINUS))
     end = pos.first(~body & (positions > first[:, None]))  # (B,) first after the run
     stop = codes.gather(1, end.clamp(max=n - 1).long()[:, None])[:, 0]
-    seen_end = (end < n) & ((stop != NUL) | text_ends_in_window) & (stop != OVERFLOW)
+    seen_end = (end < n) & ((stop != NUL) | text_ends_in_window) & (stop != OVERFLOW) & (stop != HIDDEN_TEXT)
     in_run = (positions >= first[:, None]) & (positions < end[:, None])
     last_digit = pos.last(in_run & is_digit)
     number = in_run & (positions <= last_digit[:, None])
@@ -490,6 +492,7 @@ def _read_last_number(codes: torch.Tensor, text_starts_in_window: torch.Tensor):
     negative = minus & ~(_is_digit(before_minus) | (before_minus == LETTER) | (before_minus >= LOWER))
     # The run (and what decides its sign) must be inside the window unless the text starts there.
     first_char = pos.first(codes != NUL)  # (B,) codes are right-aligned
-    seen_start = text_starts_in_window | ((run_start - first_char >= 5) & (before[:, 0] != OVERFLOW))
+    hidden = (before[:, 0] == OVERFLOW) | (before[:, 0] == HIDDEN_TEXT)  # a long token's hidden text (B,)
+    seen_start = text_starts_in_window | ((run_start - first_char >= 5) & ~hidden)
     value, ok = _number(codes, body, is_digit, negative, pos, chars)
     return value, ok & seen_start & (last_digit >= 0)

@@ -9,11 +9,13 @@ Invariants:
 * Row ``V = len(tokenizer)`` is the *null token*: empty text, all codes :data:`NUL`. Ids outside ``[0, V)``
   (a model's padded embedding rows) and positions a reward must ignore are mapped to it.
 * ``chars_left[t]`` holds the codes of the first ``C`` characters of token ``t``'s text, ``chars_right[t]`` those of
-  the last ``C`` characters, right-aligned. A text longer than ``C`` keeps ``C - 1`` characters and puts
-  :data:`OVERFLOW` in the slot standing for the hidden ones, so a reader never mistakes a cut text for a short one.
+  the last ``C`` characters, right-aligned. A text longer than ``C`` keeps ``C - 1`` characters and puts one code in
+  the slot standing for the hidden ones, so a reader never mistakes a cut text for a short one: :data:`HIDDEN_TEXT`
+  when they hold no ASCII digit and no brace (a long word such as ``" kilometers"``, which unit text may hold),
+  else :data:`OVERFLOW` (they could change a number or the brace depth).
 * A digit ``d`` (ASCII ``0``-``9`` only) is coded ``DIGIT + d``, an ASCII lowercase letter ``LOWER + i`` (so LaTeX
   commands can be spelled), an uppercase one ``UPPER + i``; other letters are :data:`LETTER`; every other code is
-  below :data:`DIGIT`.
+  below :data:`DIGIT`, but :data:`HIDDEN_TEXT`, right after the digits.
 * Tables are plain CPU tensors, copied once per device (:meth:`VocabTables.on`) and cached; building them for a
   152k vocabulary takes about a second, and happens once per (tokenizer, ``C``) per process.
 """
@@ -30,6 +32,7 @@ import torch
 (NUL, SPACE, COMMA, DOT, MINUS, PLUS, DOLLAR, BACKSLASH, LBRACE, RBRACE, SPACING, LETTER, OTHER, OVERFLOW, PERCENT,
  EQUALS) = range(16)  # fmt: skip
 DIGIT = 16  # DIGIT + d for the ASCII digit d
+HIDDEN_TEXT = DIGIT + 10  # the hidden characters of a long token, when none is a digit or a brace
 LOWER = 64  # LOWER + i for the i-th ASCII lowercase letter (to spell LaTeX commands)
 UPPER = 96  # UPPER + i for the i-th ASCII uppercase letter; other letters are LETTER
 _SINGLE = {
@@ -55,6 +58,12 @@ def char_code(ch: str) -> int:
     if ch.isalpha() or ch.isdigit():  # letters and non-ASCII digits: never part of a number
         return LETTER
     return OTHER
+
+
+def _hidden(codes: list[int]) -> int:
+    """The code standing for the hidden characters ``codes`` of a long token."""
+    plain = all(not DIGIT <= code < DIGIT + 10 and code not in (LBRACE, RBRACE) for code in codes)
+    return HIDDEN_TEXT if plain else OVERFLOW
 
 
 def token_texts(tokenizer) -> list[str]:
@@ -107,8 +116,8 @@ class VocabTables:
                 right_rows.append(pad + codes)
                 visible_rows.append(True)
             else:
-                left_rows.append(codes[: width - 1] + [OVERFLOW])
-                right_rows.append([OVERFLOW] + codes[len(codes) - width + 1 :])
+                left_rows.append(codes[: width - 1] + [_hidden(codes[width - 1 :])])
+                right_rows.append([_hidden(codes[: len(codes) - width + 1])] + codes[len(codes) - width + 1 :])
                 visible_rows.append(sum(DIGIT <= code < DIGIT + 10 for code in codes[: width - 1]) == n_digits)
         length = torch.tensor([len(t) for t in texts] + [0], dtype=torch.int32)
         nonspace = torch.tensor(nonspace_counts, dtype=torch.int32)
