@@ -47,6 +47,8 @@ def _value(rng: random.Random, category: str) -> float | int:
 def _show(rng: random.Random, value) -> str:
     """How a model writes a number inside the box."""
     text = f"{value:,}" if abs(value) >= 1000 and rng.random() < 0.7 else str(value)
+    if "," in text and rng.random() < 0.3:
+        text = text.replace(",", "{,}")  # LaTeX's thousands separator, as MATH writes it
     style = rng.random()
     if style < 0.12:
         return "\\$" + text if value >= 0 else "-\\$" + text[1:]

@@ -72,6 +72,13 @@ BOXED_CASES = [  # (completion, target, reward)
     ("\\boxed{12 \\text{ students}}", "12", 1.0),
     ("There are \\boxed{18\\text{ kilometers}} left.", "18", 1.0),
     ("\\boxed{3 \\text{ centimeters} 4}", "3", 0.0),  # a digit after the long word
+    # LaTeX's thousands separator, as the MATH dataset writes it
+    ("\\boxed{10{,}000}", "10000", 1.0),
+    ("\\boxed{-1{,}234{,}567.5}", "-1234567.5", 1.0),
+    ("\\boxed{1{,}000,000}", "1000000", 1.0),
+    ("\\boxed{1234{,}567}", "1234567", 0.0),  # not every three digits
+    ("\\boxed{1{,}00}", "100", 0.0),
+    ("\\boxed{1{}}", "1", 1.0),  # a brace pair after the number is ignorable, as before
 ]
 
 

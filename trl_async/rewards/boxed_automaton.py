@@ -2,12 +2,12 @@ r"""Read the content of ``\boxed{...}`` with a finite automaton evaluated as a t
 
 The grammar of a box's content (see :mod:`~trl_async.rewards.math_answer`) is regular once the matching closing
 brace is known: ignorables (whitespace, ``$``, ``%``, braces, ``\$ \% \, \; \! \: \<space>``), an optional ``x =``,
-an optional sign, one number ``[0-9]{1,3}(,[0-9]{3})+|[0-9]*`` with an optional ``.[0-9]+``, ignorables, and an
-optional unit group (``\text{...}`` etc.) without digits. :class:`BoxedAutomaton` is that grammar as a DFA over a
-few character classes.
+an optional sign, one number ``[0-9]{1,3}(,[0-9]{3})+|[0-9]*`` (a comma may be written ``{,}``, LaTeX's thousands
+separator) with an optional ``.[0-9]+``, ignorables, and an optional unit group (``\text{...}`` etc.) without
+digits. :class:`BoxedAutomaton` is that grammar as a DFA over a few character classes.
 
 Evaluating a DFA character by character is a sequential loop. Instead every string is identified with the function
-it induces on the states (``f[s]`` = the state reached from ``s``), and these functions form a small monoid (under a
+it induces on the states (``f[s]`` = the state reached from ``s``), and these functions form a small monoid (about a
 thousand elements for this DFA, found by closure at construction). Concatenation is then one lookup in a
 ``(F, F)`` composition table, so a ``(B, N)`` window is reduced in ``log2 N`` rounds of "pair neighbours, look up",
 each one op over the batch: ~12 ops instead of N steps or ~150 masked reductions.
@@ -113,6 +113,10 @@ def _step(state: str, cls: str) -> str:
         if "\\" + spelled in UNIT_COMMANDS:
             return "unit"
         return "cmd:" + spelled if spelled in _UNIT_PREFIXES and _char(cls) else "reject"
+    if state == "nb":  # "{" right after 1-3 digits or a full group: "{,}" is LaTeX's thousands comma, else a brace
+        return "nbc" if cls == "comma" else _step("after", cls)
+    if state == "nbc":
+        return "k0" if cls == "rbrace" else "reject"
     if state.endswith("\\"):  # after a backslash: an escape, or (after the number) a unit command
         zone = state[:-1]
         if cls in _ESCAPABLE:
@@ -122,6 +126,8 @@ def _step(state: str, cls: str) -> str:
         return "reject"
     if state in _BODY:
         accepts = state in _BODY_ACCEPTS
+        if cls == "lbrace" and state in ("g1", "g2", "g3", "k3"):
+            return "nb"
         if cls in _IGNORABLE:
             return "after" if accepts else "reject"
         if cls == "backslash":
@@ -154,11 +160,11 @@ def _step(state: str, cls: str) -> str:
 
 class BoxedAutomaton:
     """The content DFA, its transition monoid and the lookup tables :meth:`read` uses (built once per process in
-    ~0.5 s; the composition table is 3 MB)."""
+    ~0.5 s; the composition table is 4 MB)."""
 
     def __init__(self):
-        states = [*_ZONES, *(z + "\\" for z in _ZONES), *_BODY, *("cmd:" + p for p in _UNIT_PREFIXES), "unit"]
-        states.append("reject")
+        states = [*_ZONES, *(z + "\\" for z in _ZONES), *_BODY, *("cmd:" + p for p in _UNIT_PREFIXES)]
+        states += ["nb", "nbc", "unit", "reject"]  # nb, nbc: "{", "{," inside a number (LaTeX's "{,}")
         index = {s: i for i, s in enumerate(states)}
         n_states = len(states)
         generators = torch.tensor([[index[_step(s, c)] for s in states] for c in CLASSES])  # (K, S)
@@ -184,7 +190,7 @@ class BoxedAutomaton:
         )  # (F, F)
         class_ids = ids_of(generators)  # (K,)
         pair = compose[class_ids[:, None], class_ids[None, :]]  # (K, K) two characters
-        accepting = {index[s] for s in (*_BODY_ACCEPTS, "after", "unit")}
+        accepting = {index[s] for s in (*_BODY_ACCEPTS, "after", "nb", "unit")}
         start = index["start"]
         self.n_classes = len(CLASSES)
         self.compose = compose.to(torch.int32).reshape(-1)  # (F*F,) flat: a * F + b (int32: indexes directly)

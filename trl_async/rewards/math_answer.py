@@ -16,7 +16,8 @@ r"""Math answer reward: read the *final* answer from token ids, parse it as a nu
   dropped), negative when an immediately preceding ``-`` (``$`` allowed between) does not follow a letter or digit.
 
 A number is ``[+-]? int? (. digits)?`` with at least one digit, at most 18 digits, and either no commas or commas
-every three digits of the integer part (``1,234,567.25``); ``1,0000``, ``12,34``, ``5.``, ``1.2.3`` are not numbers.
+every three digits of the integer part (``1,234,567.25``; in a box also written ``1{,}234{,}567.25``, as MATH does);
+``1,0000``, ``12,34``, ``5.``, ``1.2.3`` are not numbers.
 It is compared with the target as float64 with ``rel_tol``/``abs_tol`` (default: exact up to 1e-9 relative).
 
 The string functions :func:`final_answer` and :func:`parse_number` are the executable specification: the tensor path
@@ -111,7 +112,7 @@ def final_answer(text: str, answer_format: str = "boxed") -> float | None:
                 break
         if close < 0:
             return None
-        content = rest[:close]
+        content = rest[:close].replace("{,}", ",")  # LaTeX's thousands separator (10{,}000)
         unit = min((i for i in (content.find(c) for c in UNIT_COMMANDS) if i >= 0), default=len(content))
         content, unit_text = content[:unit], content[unit:]
         if any("0" <= c <= "9" for c in unit_text):
