@@ -18,6 +18,7 @@ PIECES = [
     " ", "\n", "$", "%", "{", "}", "\\$", "\\%", "\\,", "\\;", "\\!", "\\:", "\\ ", "\\\\", "\\{", ";", "!",
     "x", "X", "y", "=", " = ", "x = ", "é", "*", "(", "\\text{", "\\textrm{", "\\textbf{", "\\mbox{", "\\mathrm{",
     "\\textit{", "\\tex", "\\frac{1}{2}", "\\m", " dollars", "abc", "{,}", "1{,}000", "{,", "{", "{}",
+    "^", "^\\circ", "^{\\circ}", "^2", "^{\\cir", "\\circ", "^\\text{",
 ]  # fmt: skip
 AFTER = ["}", "}.", " }", "}$", "}}", "} 73", "", "} \\, 9"]  # the reward finds the last opener itself
 
@@ -36,8 +37,8 @@ def contents(n: int, seed: int) -> list[str]:
         ["", "-", "+", "- ", "-\\$"],
         ["72", "1,000", "12,345.67", "0.5", ".5", "007", "1234567.25", "3", "1,000,000", "1{,}000", "1{,}234.5"],
         ["", " ", "\\,", "\\%", "%", "$", "}", "\\;"],
-        ["", "\\text{ dollars}", "\\textrm{kg}", "\\mbox{m}", "\\mathrm{cm}", "\\textbf{ apples}"],
-    ]
+        ["", "\\text{ dollars}", "\\textrm{kg}", "\\mbox{m}", "\\mathrm{cm}", "\\textbf{ apples}", "^\\circ", "^{\\circ}F"],
+    ]  # fmt: skip
     texts = []
     for _ in range(n):
         if rng.random() < 0.5:

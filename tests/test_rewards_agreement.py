@@ -56,8 +56,11 @@ def _show(rng: random.Random, value) -> str:
         return f" {text} "
     if style < 0.24:
         units = ["\\text{ dollars}", " \\text{ apples}", "\\ \\text{hours}", "\\mbox{ km}", " \\text{ students}"]
-        return text + rng.choice(units + ["\\text{ kilometers}", " \\text{ cupcakes}"])  # one-token words > 8 chars
-    if style < 0.25:
+        units += ["\\text{ kilometers}", " \\text{ cupcakes}"]  # unit words longer than 8 characters, one token each
+        if abs(value) < 1000:
+            units += ["^\\circ", "^{\\circ}"]  # degrees (math-verify does not read 1,234^\circ)
+        return text + rng.choice(units)
+    if style < 0.245:  # 0.5% of answers: math-verify reads a decimal or negative x% as x / 100 (documented)
         return text + rng.choice(["\\%", "%"])
     return text
 
@@ -229,6 +232,10 @@ def reason(text: str) -> str | None:
         return "a fraction: math-verify evaluates it, this reward reads plain numbers only"
     if re.match(r"\\boxed\{\\text\{", last):
         return "the number inside \\text{}: math-verify reads it, this reward reads a number then optional units"
+    if re.match(r"\\boxed\{-?0(?:\.0+)? [a-z]+\}", last):
+        return (
+            "zero and a bare word: math-verify reads `0 dollars` as the product 0 * dollars = 0, this reward no number"
+        )
     return None
 
 

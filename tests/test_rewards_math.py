@@ -79,6 +79,11 @@ BOXED_CASES = [  # (completion, target, reward)
     ("\\boxed{1234{,}567}", "1234567", 0.0),  # not every three digits
     ("\\boxed{1{,}00}", "100", 0.0),
     ("\\boxed{1{}}", "1", 1.0),  # a brace pair after the number is ignorable, as before
+    # degrees start unit text
+    ("The angle is \\boxed{45^\\circ}.", "45", 1.0),
+    ("\\boxed{-5^{\\circ} \\text{C}}", "-5", 1.0),
+    ("\\boxed{2^3}", "8", 0.0),  # a power is not read
+    ("\\boxed{90^\\circ 5}", "90", 0.0),
 ]
 
 

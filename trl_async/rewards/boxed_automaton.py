@@ -29,6 +29,7 @@ import torch
 from .positions import Positions
 from .vocab_tables import (
     BACKSLASH,
+    CARET,
     COMMA,
     DIGIT,
     DOLLAR,
@@ -49,13 +50,15 @@ from .vocab_tables import (
     char_code,
 )
 
-UNIT_COMMANDS = ("\\text{", "\\textrm{", "\\textbf{", "\\mbox{", "\\mathrm{")  # a unit group after the number
+# what starts the unit text after the number: a text group, or degrees
+UNIT_COMMANDS = ("\\text{", "\\textrm{", "\\textbf{", "\\mbox{", "\\mathrm{", "^\\circ", "^{\\circ}")
 MAX_DIGITS = 18  # int64 mantissa stays exact
 
 # ---- character classes --------------------------------------------------------------------------------------------
-_UNIT_LETTERS = sorted({ch for command in UNIT_COMMANDS for ch in command[1:-1]})
+_UNIT_LETTERS = sorted({ch for command in UNIT_COMMANDS for ch in command if ch.isalpha()})
 CLASSES = (
     ["nul", "space", "dollar", "percent", "lbrace", "rbrace", "backslash", "spacing", "equals", "plus", "minus"]
+    + ["caret"]
     + ["dot", "comma", "ascii_letter", "other", "overflow", "hidden_text"]
     + [f"letter_{ch}" for ch in _UNIT_LETTERS]
     + [f"digit{d}" for d in range(10)]  # last, so that class - DIGIT0 is the digit's value
@@ -69,7 +72,7 @@ def _class_of_code(code: int) -> int:
     single = {
         NUL: "nul", SPACE: "space", DOLLAR: "dollar", PERCENT: "percent", LBRACE: "lbrace", RBRACE: "rbrace",
         BACKSLASH: "backslash", SPACING: "spacing", EQUALS: "equals", PLUS: "plus", MINUS: "minus", DOT: "dot",
-        COMMA: "comma", OVERFLOW: "overflow", HIDDEN_TEXT: "hidden_text",
+        COMMA: "comma", OVERFLOW: "overflow", HIDDEN_TEXT: "hidden_text", CARET: "caret",
     }  # fmt: skip
     if code in single:
         return _CLASS[single[code]]
@@ -91,14 +94,13 @@ _IGNORABLE = {"space", "dollar", "percent", "lbrace", "rbrace"}
 _ESCAPABLE = {"dollar", "percent", "comma", "spacing", "space"}  # \$ \% \, \; \! \: \<space>
 _DIGIT_STEP = {"g1": "g2", "g2": "g3", "g3": "gn", "gn": "gn", "k0": "k1", "k1": "k2", "k2": "k3", "k3": "reject",
                "dot0": "frac", "frac": "frac"}  # fmt: skip
-_UNIT_PREFIXES = sorted({c[1:i] for c in UNIT_COMMANDS for i in range(2, len(c))})  # "t", "te", ..., "mathrm"
+_UNIT_PREFIXES = {c[:i] for c in UNIT_COMMANDS for i in range(1, len(c))}  # "\\", "\\t", ..., "^{\\circ"
 
 
 def _char(name: str) -> str:
-    """The character a class stands for in a unit command ("{" or a letter), else ""."""
-    if name == "lbrace":
-        return "{"
-    return name.removeprefix("letter_") if name.startswith("letter_") else ""
+    """The character a class stands for in a unit command (a brace, "^", "\\" or a letter), else ""."""
+    single = {"lbrace": "{", "rbrace": "}", "caret": "^", "backslash": "\\"}
+    return single.get(name, name.removeprefix("letter_") if name.startswith("letter_") else "")
 
 
 def _step(state: str, cls: str) -> str:
@@ -108,9 +110,9 @@ def _step(state: str, cls: str) -> str:
         return state
     if state == "unit":  # unit text: anything without digits (an overflow may hide one; hidden text does not)
         return "reject" if cls in ("digit", "overflow") else "unit"
-    if state.startswith("cmd:"):  # spelling a unit command after "\"
+    if state.startswith("cmd:"):  # spelling a unit command
         spelled = state[4:] + _char(cls)
-        if "\\" + spelled in UNIT_COMMANDS:
+        if spelled in UNIT_COMMANDS:
             return "unit"
         return "cmd:" + spelled if spelled in _UNIT_PREFIXES and _char(cls) else "reject"
     if state == "nb":  # "{" right after 1-3 digits or a full group: "{,}" is LaTeX's thousands comma, else a brace
@@ -121,13 +123,15 @@ def _step(state: str, cls: str) -> str:
         zone = state[:-1]
         if cls in _ESCAPABLE:
             return zone
-        if zone == "after" and _char(cls) in {c[1] for c in UNIT_COMMANDS}:
-            return "cmd:" + _char(cls)
+        if zone == "after" and _char(cls).isalpha() and "\\" + _char(cls) in _UNIT_PREFIXES:
+            return "cmd:\\" + _char(cls)
         return "reject"
     if state in _BODY:
         accepts = state in _BODY_ACCEPTS
         if cls == "lbrace" and state in ("g1", "g2", "g3", "k3"):
             return "nb"
+        if cls == "caret":  # degrees
+            return "cmd:^" if accepts else "reject"
         if cls in _IGNORABLE:
             return "after" if accepts else "reject"
         if cls == "backslash":
@@ -149,6 +153,8 @@ def _step(state: str, cls: str) -> str:
         return "letter" if state == "start" else "reject"
     if cls == "equals":
         return "equals" if state == "letter" else "reject"
+    if cls == "caret":
+        return "cmd:^" if state == "after" else "reject"
     if cls == "sign":
         return "sign" if state in ("start", "equals") else "reject"
     if cls == "digit":
@@ -163,7 +169,8 @@ class BoxedAutomaton:
     ~0.5 s; the composition table is 4 MB)."""
 
     def __init__(self):
-        states = [*_ZONES, *(z + "\\" for z in _ZONES), *_BODY, *("cmd:" + p for p in _UNIT_PREFIXES)]
+        commands = ["cmd:" + p for p in sorted(_UNIT_PREFIXES) if p != "\\"]  # "\" alone is the zones' twin
+        states = [*_ZONES, *(z + "\\" for z in _ZONES), *_BODY, *commands]
         states += ["nb", "nbc", "unit", "reject"]  # nb, nbc: "{", "{," inside a number (LaTeX's "{,}")
         index = {s: i for i, s in enumerate(states)}
         n_states = len(states)

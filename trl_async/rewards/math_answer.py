@@ -5,7 +5,8 @@ r"""Math answer reward: read the *final* answer from token ids, parse it as a nu
 * ``answer_format="boxed"`` (default): the content of the **last** ``\boxed{...}`` before the first EOS. The content
   must be one number, optionally with ``$``/``\$``, whitespace and LaTeX spacing (``\,``, ``\;``, ``\!``) around it:
   ``\boxed{-3.5}``, ``\boxed{\$1,000}``, ``$\boxed{72}$``, ``\boxed{{72}}``; an optional ``x =`` before it, an
-  optional ``%`` and an optional unit group without digits after it (``\boxed{18 \text{ dollars}}``). Anything else
+  optional ``%`` and optional unit text without digits after it, from a text group or degrees on
+  (``\boxed{18 \text{ dollars}}``, ``\boxed{45^\circ}``). Anything else
   (``\frac``, a number inside ``\text{}``, letters, a second number) is not a number: reward 0. An unclosed last box
   (truncation) is 0.
 * ``answer_format="hash"``: the number right after the **last** ``####`` (GSM8K's convention), optionally preceded

@@ -15,7 +15,7 @@ Invariants:
   else :data:`OVERFLOW` (they could change a number or the brace depth).
 * A digit ``d`` (ASCII ``0``-``9`` only) is coded ``DIGIT + d``, an ASCII lowercase letter ``LOWER + i`` (so LaTeX
   commands can be spelled), an uppercase one ``UPPER + i``; other letters are :data:`LETTER`; every other code is
-  below :data:`DIGIT`, but :data:`HIDDEN_TEXT`, right after the digits.
+  below :data:`DIGIT`.
 * Tables are plain CPU tensors, copied once per device (:meth:`VocabTables.on`) and cached; building them for a
   152k vocabulary takes about a second, and happens once per (tokenizer, ``C``) per process.
 """
@@ -30,13 +30,14 @@ import torch
 
 # Character codes (int8). Digits are DIGIT + value so one gather yields both the class and the value.
 (NUL, SPACE, COMMA, DOT, MINUS, PLUS, DOLLAR, BACKSLASH, LBRACE, RBRACE, SPACING, LETTER, OTHER, OVERFLOW, PERCENT,
- EQUALS) = range(16)  # fmt: skip
-DIGIT = 16  # DIGIT + d for the ASCII digit d
-HIDDEN_TEXT = DIGIT + 10  # the hidden characters of a long token, when none is a digit or a brace
+ EQUALS, CARET, HIDDEN_TEXT) = range(18)  # fmt: skip
+# HIDDEN_TEXT: the hidden characters of a long token when none is a digit or a brace (OVERFLOW otherwise)
+DIGIT = 32  # DIGIT + d for the ASCII digit d
 LOWER = 64  # LOWER + i for the i-th ASCII lowercase letter (to spell LaTeX commands)
 UPPER = 96  # UPPER + i for the i-th ASCII uppercase letter; other letters are LETTER
 _SINGLE = {
     ",": COMMA, ".": DOT, "-": MINUS, "+": PLUS, "$": DOLLAR, "\\": BACKSLASH, "{": LBRACE, "}": RBRACE, "%": PERCENT, "=": EQUALS,
+    "^": CARET,
 }  # fmt: skip
 _SPACING = set(";!:")  # `\;`, `\!`, `\:` are LaTeX spacing commands (as is `\,`)
 
