@@ -209,16 +209,14 @@ def test_positions_made_while_tracing_are_not_cached():
     assert type(real.at) is torch.Tensor and real.at[-1].item() == n - 1
 
 
-def test_long_tokens_mark_what_their_hidden_characters_may_hold():
-    """A token longer than the table width keeps C - 1 characters; the slot for the rest says OVERFLOW when the hidden
-    text holds a digit or a brace (it could change a number or the brace depth), else HIDDEN_TEXT."""
-    from trl_async.rewards.vocab_tables import HIDDEN_TEXT, OVERFLOW, char_code
+def test_long_tokens_keep_a_marker_for_their_hidden_characters():
+    """A token longer than the table width keeps C - 1 characters and OVERFLOW for the rest (the #### and last-number
+    readers then never read it as a short text); short ones are NUL-padded."""
+    from trl_async.rewards.vocab_tables import NUL, OVERFLOW, char_code
 
-    tables = VocabTables([" students", "1234567890", "abcdefgh}", "ab{cdefghij", "short"], width=8)
+    tables = VocabTables([" students", "short"], width=8)
     left, right = tables.on("cpu").chars_left, tables.on("cpu").chars_right
-    assert left[0].tolist() == [char_code(c) for c in " studen"] + [HIDDEN_TEXT]
-    assert right[0].tolist() == [HIDDEN_TEXT] + [char_code(c) for c in "tudents"]
-    assert left[1, -1].item() == OVERFLOW and right[1, 0].item() == OVERFLOW  # hidden digits
-    assert left[2, -1].item() == OVERFLOW and right[2, 0].item() == HIDDEN_TEXT  # "h}" hidden on the left only
-    assert left[3, -1].item() == HIDDEN_TEXT and right[3, 0].item() == OVERFLOW  # "ab{c" hidden on the right only
-    assert left[4].tolist() == [char_code(c) for c in "short"] + [0, 0, 0]
+    assert left[0].tolist() == [char_code(c) for c in " studen"] + [OVERFLOW]
+    assert right[0].tolist() == [OVERFLOW] + [char_code(c) for c in "tudents"]
+    assert left[1].tolist() == [char_code(c) for c in "short"] + [NUL] * 3
+    assert right[1].tolist() == [NUL] * 3 + [char_code(c) for c in "short"]

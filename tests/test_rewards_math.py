@@ -188,7 +188,7 @@ def test_extract_reads_values(qwen_tokenizer):
 FUZZ_PROSE = ["so ", "72", " \\boxed{5}", "####", "\n", "-", "$", "x", "}", "{", " 250", "1,000", ". "]
 FUZZ_CONTENT = [
     "72", "-3", "1,000", "1,0000", ",", ".", "5", "-", "+", "$", "\\$", "\\,", " ", "abc", "\\frac{1}{2}", "0.5",
-    "12,345.67", "250", "%", "\\%", "\\text{", " dollars", "}", "{", "007", "\n",
+    "12,345.67", "250", "%", "\\%", "\\text{", " dollars", "}", "{", "007", "\n", "{,}", "^\\circ", "^", " kilometers",
 ]  # fmt: skip
 FUZZ_AFTER = ["}", "}.", " }", "}$", "", "} 73", "}}", "\n#### 9"]
 
@@ -206,11 +206,15 @@ def fuzz_texts(opener: str, n: int, seed: str) -> list[str]:
     ]
 
 
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one_pass", "general"])
 @pytest.mark.parametrize("answer_format", ["boxed", "hash", "last_number"])
-def test_tensor_path_equals_string_specification_on_fuzzed_text(tokenizer, answer_format):
+def test_tensor_path_equals_string_specification_on_fuzzed_text(tokenizer, answer_format, one_pass):
     opener = {"boxed": "\\boxed{", "hash": "#### ", "last_number": " "}[answer_format]
     texts = fuzz_texts(opener, 600, answer_format)
-    reward = MathAnswerReward(tokenizer, answer_format=answer_format)
+    # an EOS id outside the tokenizer's vocabulary (a padded embedding row) takes the general path
+    eos = [tokenizer.eos_token_id] + ([] if one_pass else [len(tokenizer) + 7])
+    reward = MathAnswerReward(tokenizer, answer_format=answer_format, eos_token_ids=eos)
+    assert (reward.packed is not None) == (one_pass and answer_format != "last_number")
     ids, mask = pad_right(encode(tokenizer, texts))
     value, found = reward.extract(ids, mask)
     got = [v if f else None for v, f in zip(value.tolist(), found.tolist())]

@@ -23,17 +23,16 @@ median seconds. Threads:
 ``--threads 2`` by default; on a 2-core machine that is busy with anything else, two OpenMP threads make every tensor
 op wait for a descheduled thread (erratic, up to 10x slower), so measure there with ``--threads 1``.
 
-Where the tensor path's time goes (CPU, B=256, L=512, 1 thread, called back to back: ~2.0 ms in one measurement,
-~225 ops, each a few microseconds of dispatch; this VM's slow spells stretch every figure): ~0.85 ms the one pass
-over the whole ``(B, L)`` batch (int32 keys, one packed table lookup per token, the byte-wide ``\\boxed{`` automaton
-on the flattened batch, first EOS and last opener as int16 max reductions: ~40 ops, all arithmetic, since comparisons
-and ``argmax`` over (B, L) cost several times more on CPU); ~0.35 ms the window gather, expansion to characters and
-compaction to ``(B, 64)`` codes; ~0.5 ms reading the box (the content DFA as 6 rounds of monoid table lookups, then
-place values); ~0.3 ms the rest (window indices, target column, comparison). Timed in turns with the other methods,
-as this benchmark does, every op costs more (~1.3-1.5x: the caches and predictors the other code leaves behind, as
-in a trainer, where the reward runs between generation and the loss). The seed loop costs ~5.5 ms (~22 us a
-sample), so 10x it (~0.55 ms) is less than the (B, L) pass alone: out of reach for an exact reader in eager PyTorch
-on a CPU. ``torch.compile`` (inductor, CPU) made the earlier masked-reduction reader 3x slower here, not faster.
+Where the tensor path's time goes (CPU, B=256, L=512, 1 thread, called back to back: ~1.2 ms in one measurement;
+this VM's slow spells stretch every figure): ~0.6 ms the one pass over the whole ``(B, L)`` batch (int32 keys, one
+packed table lookup per token, the byte-wide ``\\boxed{`` automaton on the flattened batch, first EOS and last opener
+as int16 max reductions: ~40 ops, all arithmetic, since comparisons and ``argmax`` over (B, L) cost several times
+more on CPU); ~0.45 ms reading the box over 24 tokens with per-token tables (~70 ops of a few microseconds each, so
+dispatch-bound); ~0.15 ms the rest (target column, comparison). Timed in turns with the other methods, as this
+benchmark does, every op costs more (~1.3-1.5x: the caches and predictors the other code leaves behind, as in a
+trainer, where the reward runs between generation and the loss). The seed loop costs ~5.5 ms (~22 us a sample), so
+10x it (~0.55 ms) is less than the (B, L) pass alone: out of reach for an exact reader in eager PyTorch on a CPU.
+``torch.compile`` (inductor, CPU) made the (B, L) pass 1.5x slower here (0.87 vs 0.58 ms), not faster.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-r"""Read the content of ``\boxed{...}`` with a finite automaton evaluated as a tree of table lookups.
+r"""The grammar of a ``\boxed{...}``'s content as a finite automaton, and its transition monoid.
 
 The grammar of a box's content (see :mod:`~trl_async.rewards.math_answer`) is regular once the matching closing
 brace is known: ignorables (whitespace, ``$``, ``%``, braces, ``\$ \% \, \; \! \: \<space>``), an optional ``x =``,
@@ -7,26 +7,20 @@ separator) with an optional ``.[0-9]+``, ignorables, and an optional unit group 
 digits. :class:`BoxedAutomaton` is that grammar as a DFA over a few character classes.
 
 Evaluating a DFA character by character is a sequential loop. Instead every string is identified with the function
-it induces on the states (``f[s]`` = the state reached from ``s``), and these functions form a small monoid (about a
-thousand elements for this DFA, found by closure at construction). Concatenation is then one lookup in a
-``(F, F)`` composition table, so a ``(B, N)`` window is reduced in ``log2 N`` rounds of "pair neighbours, look up",
-each one op over the batch: ~12 ops instead of N steps or ~150 masked reductions.
+it induces on the states (``f[s]`` = the state reached from ``s``), and these functions form a small monoid (about
+1,500 elements for this DFA, found by closure at construction). Concatenation is then one lookup in a ``(F, F)``
+composition table: :mod:`~trl_async.rewards.boxed_tokens` gives every token its element once, and reduces a window
+of tokens in ``log2 W`` rounds of "pair neighbours, look up", each one op over the batch.
 
-Invariants (tested against the string specification on fuzzed and generated text):
-
-* :meth:`BoxedAutomaton.read` agrees with :func:`~trl_async.rewards.math_answer.final_answer` (``"boxed"``) on the
-  text after the opener, whenever the window holds the text up to the closing brace.
-* NUL (padding) is the identity; characters from the matching closing brace on are read as NUL.
-* :data:`~trl_async.rewards.vocab_tables.OVERFLOW` (hidden characters of a long token that may be a digit or a
-  brace) is rejected everywhere, unit text included; :data:`~trl_async.rewards.vocab_tables.HIDDEN_TEXT` (hidden
-  characters without either, a long unit word) is read only as unit text.
+Invariants: the empty string (and NUL) is the identity; a string is accepted from ``start`` iff the string
+specification (:func:`~trl_async.rewards.math_answer.final_answer`, ``"boxed"``) reads a number from that box content
+(tested through the token reader, on a one-character-per-token vocabulary and on real tokenizers).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .positions import Positions
 from .vocab_tables import (
     BACKSLASH,
     CARET,
@@ -35,12 +29,10 @@ from .vocab_tables import (
     DOLLAR,
     DOT,
     EQUALS,
-    HIDDEN_TEXT,
     LBRACE,
     LOWER,
     MINUS,
     NUL,
-    OVERFLOW,
     PERCENT,
     PLUS,
     RBRACE,
@@ -58,8 +50,7 @@ MAX_DIGITS = 18  # int64 mantissa stays exact
 _UNIT_LETTERS = sorted({ch for command in UNIT_COMMANDS for ch in command if ch.isalpha()})
 CLASSES = (
     ["nul", "space", "dollar", "percent", "lbrace", "rbrace", "backslash", "spacing", "equals", "plus", "minus"]
-    + ["caret"]
-    + ["dot", "comma", "ascii_letter", "other", "overflow", "hidden_text"]
+    + ["caret", "dot", "comma", "ascii_letter", "other"]
     + [f"letter_{ch}" for ch in _UNIT_LETTERS]
     + [f"digit{d}" for d in range(10)]  # last, so that class - DIGIT0 is the digit's value
 )
@@ -72,7 +63,7 @@ def _class_of_code(code: int) -> int:
     single = {
         NUL: "nul", SPACE: "space", DOLLAR: "dollar", PERCENT: "percent", LBRACE: "lbrace", RBRACE: "rbrace",
         BACKSLASH: "backslash", SPACING: "spacing", EQUALS: "equals", PLUS: "plus", MINUS: "minus", DOT: "dot",
-        COMMA: "comma", OVERFLOW: "overflow", HIDDEN_TEXT: "hidden_text", CARET: "caret",
+        COMMA: "comma", CARET: "caret",
     }  # fmt: skip
     if code in single:
         return _CLASS[single[code]]
@@ -108,8 +99,8 @@ def _step(state: str, cls: str) -> str:
     cls = "digit" if cls.startswith("digit") else "sign" if cls in ("plus", "minus") else cls
     if cls == "nul" or state == "reject":
         return state
-    if state == "unit":  # unit text: anything without digits (an overflow may hide one; hidden text does not)
-        return "reject" if cls in ("digit", "overflow") else "unit"
+    if state == "unit":  # unit text: anything without digits
+        return "reject" if cls == "digit" else "unit"
     if state.startswith("cmd:"):  # spelling a unit command
         spelled = state[4:] + _char(cls)
         if spelled in UNIT_COMMANDS:
@@ -165,8 +156,7 @@ def _step(state: str, cls: str) -> str:
 
 
 class BoxedAutomaton:
-    """The content DFA, its transition monoid and the lookup tables :meth:`read` uses (built once per process in
-    ~0.5 s; the composition table is 4 MB)."""
+    """The content DFA and its transition monoid (built once per process in ~1 s; the composition table is 8 MB)."""
 
     def __init__(self):
         commands = ["cmd:" + p for p in sorted(_UNIT_PREFIXES) if p != "\\"]  # "\" alone is the zones' twin
@@ -196,20 +186,15 @@ class BoxedAutomaton:
             ]
         )  # (F, F)
         class_ids = ids_of(generators)  # (K,)
-        pair = compose[class_ids[:, None], class_ids[None, :]]  # (K, K) two characters
         accepting = {index[s] for s in (*_BODY_ACCEPTS, "after", "nb", "unit")}
         start = index["start"]
         self.n_classes = len(CLASSES)
         self.compose = compose.to(torch.int32).reshape(-1)  # (F*F,) flat: a * F + b (int32: indexes directly)
-        self.pair = pair.to(torch.int32).reshape(-1)  # (K*K,)
         self.accepts = torch.isin(functions[:, start], torch.tensor(sorted(accepting)))  # (F,) from "start"
         self.identity = int(ids_of(torch.arange(n_states)[None])[0])
+        self.generator = class_ids.to(torch.int32)  # (K,) the function of one character of each class
         code_table = [_class_of_code(c) for c in range(128)]
         self.code_class = torch.tensor(code_table, dtype=torch.int32)  # (128,) code -> class
-        delta = [1 if c == LBRACE else -1 if c == RBRACE else 0 for c in range(128)]
-        self.brace_delta = torch.tensor(delta, dtype=torch.int8)  # (128,) brace depth step
-        self.pow10 = torch.tensor([10**k for k in range(MAX_DIGITS + 1)], dtype=torch.int64)
-        self.pow10f = self.pow10.to(torch.float64)
         self._on: dict[torch.device, tuple] = {}
 
     @staticmethod
@@ -237,48 +222,12 @@ class BoxedAutomaton:
         powers = torch.tensor([pow(1_000_003, i, 2**63) for i in range(functions.shape[1])], dtype=torch.int64)
         return (functions * powers).sum(dim=1)
 
-    def on(self, device: torch.device) -> tuple:
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(compose, accepts)`` on ``device`` (copied once, then cached)."""
         found = self._on.get(device)
         if found is None:
-            names = ("compose", "pair", "accepts", "code_class", "brace_delta", "pow10", "pow10f")
-            found = self._on[device] = tuple(getattr(self, n).to(device) for n in names)
+            found = self._on[device] = (self.compose.to(device), self.accepts.to(device))
         return found
-
-    def read(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes (B, N) int8 starting right after ``\\boxed{`` -> ``(value (B,) float64, ok (B,) bool)``."""
-        compose, pair, accepts, code_class, brace_delta, pow10, pow10f = self.on(codes.device)
-        batch, n = codes.shape
-        flat = codes.to(torch.int64).reshape(-1)  # (B*N,)
-        # The matching closing brace: where the running depth first goes below zero (steps of one).
-        depth = brace_delta.index_select(0, flat).view(batch, n).cumsum(dim=1, dtype=torch.int32)  # (B, N)
-        axis = Positions.of(n, codes.device)
-        at, rev = axis.at, axis.rev  # (N,) position, n - position
-        close = n - ((depth >> 31) & rev).amax(dim=1)  # (B,) N when the box does not close in the window
-        inside = at < close[:, None]  # (B, N) the content
-        # The grammar: classes (NUL from the closing brace on), pairs, then log2(N) rounds of composition.
-        cls = code_class.index_select(0, flat).view(batch, n) * inside  # (B, N) int32, class 0 = NUL = identity
-        pairs = torch.nn.functional.pad(cls, (0, 1)) if n % 2 else cls
-        index = torch.add(pairs[:, 1::2], pairs[:, 0::2], alpha=self.n_classes)  # (B, N/2) left * K + right
-        f = pair.index_select(0, index.reshape(-1)).view(batch, -1)  # (B, N/2) function ids
-        while f.shape[1] > 1:  # (B, M) -> (B, M/2)
-            if f.shape[1] % 2:
-                f = torch.nn.functional.pad(f, (0, 1), value=self.identity)
-            index = torch.add(f[:, 1::2], f[:, 0::2], alpha=self.n_functions)  # left * F + right
-            f = compose.index_select(0, index.reshape(-1)).view(batch, -1)
-        valid = accepts.index_select(0, f[:, 0]) & (close < n)  # (B,)
-        # The value: the content's digits are the number's (the grammar allows none elsewhere).
-        is_digit = cls >= DIGIT0  # (B, N)
-        n_digits = is_digit.sum(dim=1, dtype=torch.int32)  # (B,)
-        rank = (n_digits[:, None] - is_digit.cumsum(dim=1, dtype=torch.int32)).clamp_(0, MAX_DIGITS)  # digits after
-        place = pow10.index_select(0, rank.reshape(-1)).view(batch, n)  # (B, N) int64
-        mantissa = ((cls - DIGIT0).clamp_(min=0) * place).sum(dim=1)  # (B,) int64, exact
-        # Digits after the dot: the rank at the first dot (a later one, in unit text, has no digits after it).
-        fraction = ((cls == DOT_CLASS) * rank).amax(dim=1)  # (B,)
-        value = mantissa.to(torch.float64) / pow10f.index_select(0, fraction)
-        # A sign stands before the first digit, where the rank is every digit (a "-" in unit text comes after).
-        negative = ((cls == MINUS_CLASS) * rank).amax(dim=1) == n_digits
-        value = torch.where(negative, -value, value)
-        return value, valid & (n_digits <= MAX_DIGITS)
 
 
 _AUTOMATON: BoxedAutomaton | None = None

@@ -227,17 +227,17 @@ def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, m
     """Where the last occurrence of the literal before the first EOS ends, in one pass over raw ids.
 
     Same answer as mapping ids outside ``mask`` / the vocabulary / after the first EOS to the null token, running
-    :func:`find_literal` and taking the last event. -> ``key`` (B, L) int32 (``clamp(id, -1, V) + 1``; use with
-    ``mask``), ``first_eos`` (B,) int64 (L when none), ``last`` (B,) int64 token where it ends (-1:
-    none), ``offset`` (B,) int64 characters of that token before the text after the occurrence.
+    :func:`find_literal` and taking the last event. -> ``key`` (B, L) int32 (``clamp(id, -1, V) + 1``, 0 outside
+    ``mask``: 0 and ``V + 1`` are null), ``first_eos`` (B,) int64 (L when none), ``last`` (B,) int64 token where it
+    ends (-1: none), ``offset`` (B,) int64 characters of that token before the text after the occurrence.
 
     Written for the CPU's per-op costs: the (B, L) work is ~40 ops of byte-wide or int16 arithmetic on contiguous
     tensors; comparisons and ``where`` (bool outputs), ``argmax`` and int64 arithmetic are several times slower there.
     """
     code_table, full_after, crossing_end = packed.on(ids.device)
     batch, length = ids.shape
-    key = ids.to(torch.int32).add_(1).clamp_(0, packed.vocab_size + 1)  # (B, L) row of the packed table
-    code = code_table.index_select(0, key.view(-1)) * mask.view(-1)  # (B*L,) int32, null outside the mask
+    key = ids.to(torch.int32).add_(1).clamp_(0, packed.vocab_size + 1).mul_(mask)  # (B, L) row, 0 outside the mask
+    code = code_table.index_select(0, key.view(-1))  # (B*L,) int32, null outside the mask
     # The rows run on one flat sequence: a row's first token continues no match from the row before (no mid, no post).
     code.view(batch, length)[:, 0] &= _PRE_AND_FLAGS
     pre = code.to(torch.uint8)  # the byte fields, each (B*L,) contiguous

@@ -8,7 +8,7 @@ r"""Math answer reward: read the *final* answer from token ids, parse it as a nu
   optional ``%`` and optional unit text without digits after it, from a text group or degrees on
   (``\boxed{18 \text{ dollars}}``, ``\boxed{45^\circ}``). Anything else
   (``\frac``, a number inside ``\text{}``, letters, a second number) is not a number: reward 0. An unclosed last box
-  (truncation) is 0.
+  (truncation) is 0, as is one whose closing brace is nested 16 braces deep or more.
 * ``answer_format="hash"``: the number right after the **last** ``####`` (GSM8K's convention), optionally preceded
   by whitespace, ``$`` and a sign; it ends at the first character that is not a digit, ``,`` or ``.``, and trailing
   ``.``/``,`` are punctuation (``#### 72.`` reads 72). Text after it is ignored; text between ``####`` and the
@@ -30,15 +30,17 @@ How the tensor path works (no decode, no per-sample loop, no host sync):
    literal automaton (:mod:`~trl_async.rewards.literal`), which sees the text however the tokenizer split it. For
    openers of at most 8 characters this is one pass over the raw ids (:func:`~trl_async.rewards.literal.last_literal`:
    one packed table lookup per token with the EOS flag folded in, byte-wide automaton steps, integer reductions).
-2. Gather a window of ``max_answer_tokens`` tokens from there and expand each to its character codes with the
-   vocabulary tables (:mod:`~trl_async.rewards.vocab_tables`), so multi-digit tokens (``"250"``) and merged
-   punctuation (``' {-'``, ``'}.'``, ``'{\\'``) read like text; compact the characters to the left.
-3. Validate the grammar: a box's content with the DFA of :mod:`~trl_async.rewards.boxed_automaton`, evaluated as
-   ``log2 N`` rounds of table lookups (~12 ops); ``####`` and last-number runs with prefix sums and masked
-   reductions (character classes from one per-code bit table, ``_Chars``). On CPU this window is dispatch-bound, so
-   both are written in few ops. Compute the value with place values: ``mantissa = sum d * 10^rank`` (int64, exact),
-   ``value = mantissa / 10^fraction_digits`` (one correctly rounded float64 division, the same value Python's
-   ``float()`` gives the target string).
+2. A box: read ``max_answer_tokens`` tokens from there with :mod:`~trl_async.rewards.boxed_tokens`, which knows
+   every token of the vocabulary whole (its element of the content grammar's monoid, its brace depth change, digits,
+   dot and sign), so nothing is expanded to characters: find the closing brace from running depths, compose the
+   grammar in ``log2 W`` rounds of table lookups, compute the value with place values: ``mantissa = sum v * 10^rank``
+   over the tokens' digit values (int64, exact), ``value = mantissa / 10^fraction_digits`` (one correctly rounded
+   float64 division, the same value Python's ``float()`` gives the target string).
+3. ``####`` and the last number: gather a window of ``max_answer_tokens`` tokens, expand each to its character codes
+   with the vocabulary tables (:mod:`~trl_async.rewards.vocab_tables`), so multi-digit tokens (``"250"``) and merged
+   punctuation (``' {-'``, ``'}.'``) read like text, compact the characters to the left, and read the run with prefix
+   sums and masked reductions (character classes from one per-code bit table, ``_Chars``), values as above. On CPU
+   these windows are dispatch-bound, so all of this is written in few ops.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ import torch
 
 from .base import TensorReward, at_least_one_column, column_tensor
 from .boxed_automaton import MAX_DIGITS, UNIT_COMMANDS, boxed_automaton
+from .boxed_tokens import boxed_token_reader
 from .literal import PackedLiteral, find_literal, last_literal
 from .positions import Positions
 from .vocab_tables import (
@@ -61,7 +64,6 @@ from .vocab_tables import (
     DIGIT,
     DOLLAR,
     DOT,
-    HIDDEN_TEXT,
     LETTER,
     LOWER,
     MINUS,
@@ -169,10 +171,11 @@ class MathAnswerReward(TensorReward):
         answer_column: dataset column holding the target (a number, ``"1,000"``, or a GSM8K ``... #### 72``).
         answer_format: ``"boxed"`` (default), ``"hash"`` or ``"last_number"`` (see the module docstring).
         rel_tol, abs_tol: the comparison tolerance, ``|value - target| <= abs_tol + rel_tol * |target|``.
-        max_answer_tokens, max_answer_chars: how much text is read after the opener (before the last digit for
-            ``last_number``); a longer answer is not read (reward 0).
-        token_chars: characters kept per token in the tables (a longer token is read conservatively: its hidden text
-            is never part of a number; without digits or braces it may be unit text).
+        max_answer_tokens: how many tokens are read from the opener's last token on (before the last digit for
+            ``last_number``); a box that does not close in them is not read (reward 0).
+        max_answer_chars, token_chars: for ``hash`` and ``last_number``, at most this many characters are read, and
+            the tables keep this many characters of a token (a longer one is read conservatively: never a number).
+            A box reads every token whole.
         eos_token_ids, name: see :class:`~trl_async.rewards.TensorReward`.
 
     TRL: ``reward(prompts, completions, completion_ids, answer=[...])``; tensor: ``reward.score(ids, mask,
@@ -215,6 +218,7 @@ class MathAnswerReward(TensorReward):
         fast = fast and all(0 <= e < self.tables.vocab_size for e in eos)
         self.packed = PackedLiteral(self.opener, self.tables.vocab_size, eos) if fast else None
         self.automaton = boxed_automaton() if answer_format == "boxed" else None
+        self.reader = boxed_token_reader(self.tables, self.opener, self.automaton) if self.automaton else None
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
         if self.answer_column not in columns:
@@ -243,10 +247,11 @@ class MathAnswerReward(TensorReward):
         has_opener = last >= 0
         start = last.clamp(min=0)
         offset = hits.offset_at(start)  # (B,) characters of that token before the content
-        codes, complete = self._window_after(tokens, start, offset)  # (B, N)
         if self.answer_format == "boxed":
-            value, ok = self.automaton.read(codes)
+            keys = tokens + 1  # (B, L) the reader's key space (null V -> V + 1)
+            value, ok = self.reader.read(keys, start, offset, torch.full_like(start, keys.shape[1]), self.window)
         else:
+            codes, complete = self._window_after(tokens, start, offset)  # (B, N)
             value, ok = _read_hash(codes, text_ends_in_window=complete & (start + self.window >= n_valid))
         return value, has_opener & ok
 
@@ -255,10 +260,13 @@ class MathAnswerReward(TensorReward):
         key, first_eos, last, offset = last_literal(ids, mask, self.packed, self.opener.max_chain)
         length = ids.shape[1]
         start = last.clamp(min=0)
+        if self.answer_format == "boxed":
+            value, ok = self.reader.read(key, start, offset, first_eos, self.window)
+            return value, (last >= 0) & ok
         index = start[:, None] + torch.arange(self.window, device=ids.device)  # (B, W)
         clamped = index.clamp(max=length - 1)
-        token = key.gather(1, clamped) - 1  # (B, W) in [-1, V]
-        inside = (index < first_eos[:, None]) & mask.gather(1, clamped) & (token >= 0)  # (B, W)
+        token = key.gather(1, clamped) - 1  # (B, W) in [-1, V], -1 outside the mask
+        inside = (index < first_eos[:, None]) & (token >= 0)  # (B, W)
         window = torch.where(inside, token, self.tables.null_id)  # (B, W) V = null
         codes, complete = self._window_codes(window, offset)
         if self.answer_format == "boxed":
@@ -459,7 +467,7 @@ def _read_hash(codes: torch.Tensor, text_ends_in_window: torch.Tensor):
     negative = _any(before & chars(_MINUS))
     end = pos.first(~body & (positions > first[:, None]))  # (B,) first after the run
     stop = codes.gather(1, end.clamp(max=n - 1).long()[:, None])[:, 0]
-    seen_end = (end < n) & ((stop != NUL) | text_ends_in_window) & (stop != OVERFLOW) & (stop != HIDDEN_TEXT)
+    seen_end = (end < n) & ((stop != NUL) | text_ends_in_window) & (stop != OVERFLOW)
     in_run = (positions >= first[:, None]) & (positions < end[:, None])
     last_digit = pos.last(in_run & is_digit)
     number = in_run & (positions <= last_digit[:, None])
@@ -494,7 +502,6 @@ def _read_last_number(codes: torch.Tensor, text_starts_in_window: torch.Tensor):
     negative = minus & ~(_is_digit(before_minus) | (before_minus == LETTER) | (before_minus >= LOWER))
     # The run (and what decides its sign) must be inside the window unless the text starts there.
     first_char = pos.first(codes != NUL)  # (B,) codes are right-aligned
-    hidden = (before[:, 0] == OVERFLOW) | (before[:, 0] == HIDDEN_TEXT)  # a long token's hidden text (B,)
-    seen_start = text_starts_in_window | ((run_start - first_char >= 5) & ~hidden)
+    seen_start = text_starts_in_window | ((run_start - first_char >= 5) & (before[:, 0] != OVERFLOW))
     value, ok = _number(codes, body, is_digit, negative, pos, chars)
     return value, ok & seen_start & (last_digit >= 0)

@@ -9,10 +9,10 @@ Invariants:
 * Row ``V = len(tokenizer)`` is the *null token*: empty text, all codes :data:`NUL`. Ids outside ``[0, V)``
   (a model's padded embedding rows) and positions a reward must ignore are mapped to it.
 * ``chars_left[t]`` holds the codes of the first ``C`` characters of token ``t``'s text, ``chars_right[t]`` those of
-  the last ``C`` characters, right-aligned. A text longer than ``C`` keeps ``C - 1`` characters and puts one code in
-  the slot standing for the hidden ones, so a reader never mistakes a cut text for a short one: :data:`HIDDEN_TEXT`
-  when they hold no ASCII digit and no brace (a long word such as ``" kilometers"``, which unit text may hold),
-  else :data:`OVERFLOW` (they could change a number or the brace depth).
+  the last ``C`` characters, right-aligned. A text longer than ``C`` keeps ``C - 1`` characters and puts
+  :data:`OVERFLOW` in the slot standing for the hidden ones, so a reader never mistakes a cut text for a short one.
+  (The ``#### N`` and last-number readers use these rows; the box reader, :mod:`~trl_async.rewards.boxed_tokens`,
+  reads every token whole.)
 * A digit ``d`` (ASCII ``0``-``9`` only) is coded ``DIGIT + d``, an ASCII lowercase letter ``LOWER + i`` (so LaTeX
   commands can be spelled), an uppercase one ``UPPER + i``; other letters are :data:`LETTER`; every other code is
   below :data:`DIGIT`.
@@ -30,8 +30,7 @@ import torch
 
 # Character codes (int8). Digits are DIGIT + value so one gather yields both the class and the value.
 (NUL, SPACE, COMMA, DOT, MINUS, PLUS, DOLLAR, BACKSLASH, LBRACE, RBRACE, SPACING, LETTER, OTHER, OVERFLOW, PERCENT,
- EQUALS, CARET, HIDDEN_TEXT) = range(18)  # fmt: skip
-# HIDDEN_TEXT: the hidden characters of a long token when none is a digit or a brace (OVERFLOW otherwise)
+ EQUALS, CARET) = range(17)  # fmt: skip
 DIGIT = 32  # DIGIT + d for the ASCII digit d
 LOWER = 64  # LOWER + i for the i-th ASCII lowercase letter (to spell LaTeX commands)
 UPPER = 96  # UPPER + i for the i-th ASCII uppercase letter; other letters are LETTER
@@ -59,12 +58,6 @@ def char_code(ch: str) -> int:
     if ch.isalpha() or ch.isdigit():  # letters and non-ASCII digits: never part of a number
         return LETTER
     return OTHER
-
-
-def _hidden(codes: list[int]) -> int:
-    """The code standing for the hidden characters ``codes`` of a long token."""
-    plain = all(not DIGIT <= code < DIGIT + 10 and code not in (LBRACE, RBRACE) for code in codes)
-    return HIDDEN_TEXT if plain else OVERFLOW
 
 
 def token_texts(tokenizer) -> list[str]:
@@ -117,8 +110,8 @@ class VocabTables:
                 right_rows.append(pad + codes)
                 visible_rows.append(True)
             else:
-                left_rows.append(codes[: width - 1] + [_hidden(codes[width - 1 :])])
-                right_rows.append([_hidden(codes[: len(codes) - width + 1])] + codes[len(codes) - width + 1 :])
+                left_rows.append(codes[: width - 1] + [OVERFLOW])
+                right_rows.append([OVERFLOW] + codes[len(codes) - width + 1 :])
                 visible_rows.append(sum(DIGIT <= code < DIGIT + 10 for code in codes[: width - 1]) == n_digits)
         length = torch.tensor([len(t) for t in texts] + [0], dtype=torch.int32)
         nonspace = torch.tensor(nonspace_counts, dtype=torch.int32)
