@@ -19,7 +19,7 @@ PIECES = [
     " ", "\n", "$", "%", "{", "}", "\\$", "\\%", "\\,", "\\;", "\\!", "\\:", "\\ ", "\\\\", "\\{", ";", "!",
     "x", "X", "y", "=", " = ", "x = ", "é", "*", "(", "\\text{", "\\textrm{", "\\textbf{", "\\mbox{", "\\mathrm{",
     "\\textit{", "\\tex", "\\frac{1}{2}", "\\m", " dollars", "abc", "{,}", "1{,}000", "{,", "{", "{}",
-    "^", "^\\circ", "^{\\circ}", "^2", "^{\\cir", "\\circ", "^\\text{",
+    "^", "^\\circ", "^{\\circ}", "^2", "^{\\cir", "\\circ", "^\\text{", "^3", "^{2}", "^{3}", "^{2", "^4", "^{",
 ]  # fmt: skip
 AFTER = ["}", "}.", " }", "}$", "}}", "} 73", "", "} \\, 9"]  # the reward finds the last opener itself
 
@@ -53,7 +53,7 @@ def contents(n: int, seed: int) -> list[str]:
         ["", "-", "+", "- ", "-\\$"],
         ["72", "1,000", "12,345.67", "0.5", ".5", "007", "1234567.25", "3", "1,000,000", "1{,}000", "1{,}234.5"],
         ["", " ", "\\,", "\\%", "%", "$", "}", "\\;"],
-        ["", "\\text{ dollars}", "\\textrm{kg}", "\\mbox{m}", "\\mathrm{cm}", "\\textbf{ apples}", "^\\circ", "^{\\circ}F"],
+        ["", "\\text{ dollars}", "\\textrm{kg}", "\\mbox{m}", "\\mathrm{cm}", "\\textbf{ apples}", "^\\circ", "^{\\circ}F", "\\text{ cm}^2", "\\mathrm{m}^{3}"],
     ]  # fmt: skip
     texts = []
     for _ in range(n):

@@ -57,8 +57,7 @@ def _show(rng: random.Random, value) -> str:
     if style < 0.24:
         units = ["\\text{ dollars}", " \\text{ apples}", "\\ \\text{hours}", "\\mbox{ km}", " \\text{ students}"]
         units += ["\\text{ kilometers}", " \\text{ cupcakes}"]  # unit words longer than 8 characters, one token each
-        if abs(value) < 1000:
-            units += ["^\\circ", "^{\\circ}"]  # degrees (math-verify does not read 1,234^\circ)
+        units += [" \\text{ cm}^2", "\\,\\mathrm{m}^{3}", "^\\circ", "^{\\circ}"]  # squares, cubes, degrees
         return text + rng.choice(units)
     if style < 0.245:  # 0.5% of answers: math-verify reads a decimal or negative x% as x / 100 (documented)
         return text + rng.choice(["\\%", "%"])
@@ -232,6 +231,8 @@ def reason(text: str) -> str | None:
         return "a fraction: math-verify evaluates it, this reward reads plain numbers only"
     if re.match(r"\\boxed\{\\text\{", last):
         return "the number inside \\text{}: math-verify reads it, this reward reads a number then optional units"
+    if re.search(r"[0-9](?:,|\{,\})[0-9]{3}.*\^", last):
+        return "a thousands comma, then a unit with '^': math-verify does not read `1,268\\,\\mathrm{m}^{3}` as 1268"
     if re.match(r"\\boxed\{-?0(?:\.0+)? [a-z]+\}", last):
         return (
             "zero and a bare word: math-verify reads `0 dollars` as the product 0 * dollars = 0, this reward no number"

@@ -84,6 +84,11 @@ BOXED_CASES = [  # (completion, target, reward)
     ("\\boxed{-5^{\\circ} \\text{C}}", "-5", 1.0),
     ("\\boxed{2^3}", "8", 0.0),  # a power is not read
     ("\\boxed{90^\\circ 5}", "90", 0.0),
+    # a square or a cube in the unit text
+    ("\\boxed{48 \\text{ cm}^2}", "48", 1.0),
+    ("\\boxed{8\\,\\mathrm{m}^{3}}", "8", 1.0),
+    ("\\boxed{8 \\text{ m}^{4}}", "8", 0.0),
+    ("\\boxed{8 \\text{ m}^{23}}", "8", 0.0),
 ]
 
 

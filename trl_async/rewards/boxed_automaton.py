@@ -3,12 +3,13 @@ r"""The grammar of a ``\boxed{...}``'s content as a finite automaton, and its tr
 The grammar of a box's content (see :mod:`~trl_async.rewards.math_answer`) is regular once the matching closing
 brace is known: ignorables (whitespace, ``$``, ``%``, braces, ``\$ \% \, \; \! \: \<space>``), an optional ``x =``,
 an optional sign, one number ``[0-9]{1,3}(,[0-9]{3})+|[0-9]*`` (a comma may be written ``{,}``, LaTeX's thousands
-separator) with an optional ``.[0-9]+``, ignorables, and an optional unit group (``\text{...}`` etc.) without
-digits. :class:`BoxedAutomaton` is that grammar as a DFA over a few character classes.
+separator) with an optional ``.[0-9]+``, ignorables, and optional unit text from a text group (``\text{...}``
+etc.) or degrees (``^\circ``) on, without digits but for squares and cubes (``^2``, ``^{3}``). :class:`BoxedAutomaton`
+is that grammar as a DFA over a few character classes.
 
 Evaluating a DFA character by character is a sequential loop. Instead every string is identified with the function
 it induces on the states (``f[s]`` = the state reached from ``s``), and these functions form a small monoid (about
-1,500 elements for this DFA, found by closure at construction). Concatenation is then one lookup in a ``(F, F)``
+1,750 elements for this DFA, found by closure at construction). Concatenation is then one lookup in a ``(F, F)``
 composition table: :mod:`~trl_async.rewards.boxed_tokens` gives every token its element once, and reduces a window
 of tokens in ``log2 W`` rounds of "pair neighbours, look up", each one op over the batch.
 
@@ -96,11 +97,17 @@ def _char(name: str) -> str:
 
 def _step(state: str, cls: str) -> str:
     """One transition of the content DFA (states are readable names)."""
-    cls = "digit" if cls.startswith("digit") else "sign" if cls in ("plus", "minus") else cls
+    raw, cls = cls, "digit" if cls.startswith("digit") else "sign" if cls in ("plus", "minus") else cls
     if cls == "nul" or state == "reject":
         return state
-    if state == "unit":  # unit text: anything without digits
-        return "reject" if cls == "digit" else "unit"
+    if state == "unit":  # unit text: anything without digits, but for a square or cube (cm^2, m^{3})
+        return "unit^" if cls == "caret" else "reject" if cls == "digit" else "unit"
+    if state in ("unit^", "unit^{"):
+        if raw in ("digit2", "digit3"):
+            return "unit" if state == "unit^" else "unit^{d"
+        return "unit^{" if state == "unit^" and cls == "lbrace" else _step("unit", raw)
+    if state == "unit^{d":
+        return "unit" if cls == "rbrace" else "reject"
     if state.startswith("cmd:"):  # spelling a unit command
         spelled = state[4:] + _char(cls)
         if spelled in UNIT_COMMANDS:
@@ -156,12 +163,12 @@ def _step(state: str, cls: str) -> str:
 
 
 class BoxedAutomaton:
-    """The content DFA and its transition monoid (built once per process in ~1 s; the composition table is 8 MB)."""
+    """The content DFA and its transition monoid (built once per process in ~2 s; the composition table is 12 MB)."""
 
     def __init__(self):
         commands = ["cmd:" + p for p in sorted(_UNIT_PREFIXES) if p != "\\"]  # "\" alone is the zones' twin
         states = [*_ZONES, *(z + "\\" for z in _ZONES), *_BODY, *commands]
-        states += ["nb", "nbc", "unit", "reject"]  # nb, nbc: "{", "{," inside a number (LaTeX's "{,}")
+        states += ["nb", "nbc", "unit", "unit^", "unit^{", "unit^{d", "reject"]  # nb, nbc: "{", "{," in a number
         index = {s: i for i, s in enumerate(states)}
         n_states = len(states)
         generators = torch.tensor([[index[_step(s, c)] for s in states] for c in CLASSES])  # (K, S)
@@ -186,7 +193,7 @@ class BoxedAutomaton:
             ]
         )  # (F, F)
         class_ids = ids_of(generators)  # (K,)
-        accepting = {index[s] for s in (*_BODY_ACCEPTS, "after", "nb", "unit")}
+        accepting = {index[s] for s in (*_BODY_ACCEPTS, "after", "nb", "unit", "unit^", "unit^{")}
         start = index["start"]
         self.n_classes = len(CLASSES)
         self.compose = compose.to(torch.int32).reshape(-1)  # (F*F,) flat: a * F + b (int32: indexes directly)

@@ -15,7 +15,8 @@ A *piece* is a row of these tables:
   entered at brace depth ``d`` (``'}.'`` closes at depth 0, ``'}}'`` at 0 or 1): row ``closing_base[piece] + d``.
 
 Per piece: its monoid element, brace depth change and lowest running depth, digit count and value (the digits
-concatenated), digits after its first ``.`` (+1; 0 when it has none), and whether a ``-`` comes before its first digit.
+concatenated), digits after its first ``.`` (+1; 0 when it has none), whether a ``-`` comes before its first digit,
+all of the text before its first ``^`` (unit exponents, ``cm^2``, come after it), and whether it has a ``^``.
 
 Invariant (tested against :func:`~trl_async.rewards.math_answer.final_answer` on fuzzed text and three
 tokenizers): :meth:`BoxedTokenReader.read` gives the value the string specification gives for the text after the
@@ -40,21 +41,25 @@ take = VocabTables.take
 MAX_DEPTH = 16  # a box whose closing brace comes at a deeper brace nesting is not read
 
 
-def _fields(text: str) -> tuple[int, int, int, int, int, int]:
-    """(brace change, lowest running depth, digit count, digit value, 1 + digits after the first '.' or 0,
-    1 when a '-' comes before the first digit) of one piece's text."""
+def _fields(text: str) -> tuple[int, int, int, int, int, int, int]:
+    """(brace change, lowest running depth, has a '^', then of the text before its first '^': digit count, digit
+    value, 1 + digits after the first '.' or 0, 1 when a '-' comes before the first digit) of one piece's text.
+
+    In an accepted box every digit before the first '^' is the number's and every one after it a unit's exponent."""
     depth = lowest = 0
     for ch in text:
         depth += (ch == "{") - (ch == "}")
         lowest = min(lowest, depth)
-    digits = [ch for ch in text if "0" <= ch <= "9"]
+    caret = text.find("^")
+    head = text if caret < 0 else text[:caret]
+    digits = [ch for ch in head if "0" <= ch <= "9"]
     count = len(digits)
     value = int("".join(digits)) if 0 < count <= MAX_DIGITS else 0
-    dot = text.find(".")
-    after_dot = 1 + sum("0" <= ch <= "9" for ch in text[dot + 1 :]) if dot >= 0 else 0
-    first_digit = next((i for i, ch in enumerate(text) if "0" <= ch <= "9"), len(text))
-    minus = int("-" in text[:first_digit])
-    return depth, lowest, min(count, MAX_DIGITS + 1), value, after_dot, minus
+    dot = head.find(".")
+    after_dot = 1 + sum("0" <= ch <= "9" for ch in head[dot + 1 :]) if dot >= 0 else 0
+    first_digit = next((i for i, ch in enumerate(head) if "0" <= ch <= "9"), len(head))
+    minus = int("-" in head[:first_digit])
+    return depth, lowest, int(caret >= 0), min(count, MAX_DIGITS + 1), value, after_dot, minus
 
 
 def _before_close(text: str, depth: int) -> str | None:
@@ -88,17 +93,18 @@ class BoxedTokenReader:
                 closers += prefixes
         pieces += closers
         closing_base += [0] * len(closers)
-        fields = torch.tensor([_fields(text) for text in pieces], dtype=torch.int64)  # (R, 6)
+        fields = torch.tensor([_fields(text) for text in pieces], dtype=torch.int64)  # (R, 7)
         self.n_pieces = len(pieces)
         self.suffix_base = torch.tensor(suffix_base, dtype=torch.int32)  # (V+2,)
         self.closing_base = torch.tensor(closing_base, dtype=torch.int32)  # (R,)
         self.function = self._functions(pieces, automaton)  # (R,) int32 monoid element of the text
         self.depth_change = fields[:, 0].to(torch.int32)  # (R,)
         self.lowest = fields[:, 1].to(torch.int32)  # (R,) <= 0
-        self.n_digits = fields[:, 2].to(torch.int32)  # (R,) capped at MAX_DIGITS + 1
-        self.digit_value = fields[:, 3]  # (R,) int64
-        self.after_dot = fields[:, 4].to(torch.int32)  # (R,) 1 + digits after the first '.', 0 without one
-        self.minus_first = fields[:, 5].to(torch.int32)  # (R,) 1: a '-' before the first digit
+        self.caret = fields[:, 2].to(torch.int32)  # (R,) 1: the text has a '^'
+        self.n_digits = fields[:, 3].to(torch.int32)  # (R,) before the first '^', capped at MAX_DIGITS + 1
+        self.digit_value = fields[:, 4]  # (R,) int64
+        self.after_dot = fields[:, 5].to(torch.int32)  # (R,) 1 + digits after the first '.', 0 without one
+        self.minus_first = fields[:, 6].to(torch.int32)  # (R,) 1: a '-' before the first digit
         self.pow10 = torch.tensor([10**k for k in range(MAX_DIGITS + 1)], dtype=torch.int64)  # place values
         self.pow10f = self.pow10.to(torch.float64)
         self.automaton = automaton
@@ -129,8 +135,8 @@ class BoxedTokenReader:
     def on(self, device: torch.device) -> tuple:
         found = self._on.get(device)
         if found is None:
-            names = ("suffix_base", "closing_base", "function", "depth_change", "lowest", "n_digits", "digit_value")
-            names += ("after_dot", "minus_first", "pow10", "pow10f")
+            names = ("suffix_base", "closing_base", "function", "depth_change", "lowest", "caret", "n_digits")
+            names += ("digit_value", "after_dot", "minus_first", "pow10", "pow10f")
             found = self._on[device] = tuple(getattr(self, n).to(device) for n in names)
         return found
 
@@ -142,8 +148,8 @@ class BoxedTokenReader:
         index = start[:, None] + Positions.of(window, keys.device, torch.int64).at[1:]  # (B, W-1) the tokens after
         following = keys.gather(1, index.clamp(max=length - 1)) * (index < end[:, None])  # (B, W-1) null past end
         first = keys.gather(1, start[:, None])[:, 0]  # (B,) the opener's last token
-        (suffix_base, closing_base, function, depth_change, lowest, n_digits, digit_value, after_dot, minus_first,
-         pow10, pow10f) = self.on(first.device)  # fmt: skip
+        (suffix_base, closing_base, function, depth_change, lowest, caret, n_digits, digit_value, after_dot,
+         minus_first, pow10, pow10f) = self.on(first.device)  # fmt: skip
         compose, accepts = self.automaton.on(first.device)
         pos = Positions.of(window, first.device)
         head = take(suffix_base, first) + offset.to(torch.int32)  # (B,) the content's part of the opener's token
@@ -165,16 +171,19 @@ class BoxedTokenReader:
                 f = torch.nn.functional.pad(f, (0, 1), value=self.automaton.identity)
             f = take(compose, torch.add(f[:, 1::2], f[:, 0::2], alpha=n))  # (B, M/2) left * F + right
         ok = take(accepts, f[:, 0]) & (closing < window) & (depth < MAX_DEPTH)
-        # The value: the content's digits are the number's (the grammar allows none elsewhere).
-        count = take(n_digits, piece)  # (B, W)
+        # The value: the content's digits up to its first '^' are the number's (the grammar allows no others).
+        carets = take(caret, piece)  # (B, W)
+        digits = piece * (carets.cumsum(dim=1, dtype=torch.int32) <= carets)  # (B, W) null after the first '^' piece
+        count = take(n_digits, digits)  # (B, W)
         seen = count.cumsum(dim=1, dtype=torch.int32)  # (B, W) digits up to each piece's end
         total = seen[:, -1]  # (B,)
         after = total[:, None] - seen  # (B, W) digits after each piece
-        mantissa = (take(digit_value, piece) * take(pow10, after.clamp(max=MAX_DIGITS))).sum(dim=1)  # (B,) exact
-        dot = take(after_dot, piece)  # (B, W)
+        place = take(pow10, after.clamp(max=MAX_DIGITS))  # (B, W) int64
+        mantissa = (take(digit_value, digits) * place).sum(dim=1)  # (B,) exact
+        dot = take(after_dot, digits)  # (B, W)
         fraction = ((dot - 1 + after) * dot.clamp(max=1)).amax(dim=1)  # (B,) digits after the first dot
         value = mantissa.to(torch.float64) / take(pow10f, fraction.clamp(0, MAX_DIGITS))
-        negative = ((take(minus_first, piece) * (seen - count == 0)).sum(dim=1) > 0) & (total > 0)
+        negative = ((take(minus_first, digits) * (seen - count == 0)).sum(dim=1) > 0) & (total > 0)
         value = torch.where(negative, -value, value)
         return value, ok & (total <= MAX_DIGITS)
 

@@ -5,8 +5,8 @@ r"""Math answer reward: read the *final* answer from token ids, parse it as a nu
 * ``answer_format="boxed"`` (default): the content of the **last** ``\boxed{...}`` before the first EOS. The content
   must be one number, optionally with ``$``/``\$``, whitespace and LaTeX spacing (``\,``, ``\;``, ``\!``) around it:
   ``\boxed{-3.5}``, ``\boxed{\$1,000}``, ``$\boxed{72}$``, ``\boxed{{72}}``; an optional ``x =`` before it, an
-  optional ``%`` and optional unit text without digits after it, from a text group or degrees on
-  (``\boxed{18 \text{ dollars}}``, ``\boxed{45^\circ}``). Anything else
+  optional ``%`` and optional unit text after it, from a text group or degrees on, without digits but for squares
+  and cubes (``\boxed{18 \text{ dollars}}``, ``\boxed{45^\circ}``, ``\boxed{12 \text{ cm}^2}``). Anything else
   (``\frac``, a number inside ``\text{}``, letters, a second number) is not a number: reward 0. An unclosed last box
   (truncation) is 0, as is one whose closing brace is nested 16 braces deep or more.
 * ``answer_format="hash"``: the number right after the **last** ``####`` (GSM8K's convention), optionally preceded
@@ -89,6 +89,7 @@ _BOXED_CONTENT = re.compile(rf"(?:{_IN_BOX}*[A-Za-z]{_IN_BOX}*=)?{_IN_BOX}*([+-]
 _BARE_TARGET = re.compile(rf"{_IGNORABLE}*([+-]?){_IGNORABLE}*([0-9.,]*){_IGNORABLE}*")
 _HASH_CONTENT = re.compile(rf"{_IGNORABLE}*(?:([+-]){_IGNORABLE}*)?([0-9.,]+)")
 _RUN = re.compile(r"[0-9.,]+")
+_SQUARE_OR_CUBE = re.compile(r"\^(?:[23]|\{[23]\})")
 
 
 def parse_number(body: str, negative: bool = False) -> float | None:
@@ -118,7 +119,7 @@ def final_answer(text: str, answer_format: str = "boxed") -> float | None:
         content = rest[:close].replace("{,}", ",")  # LaTeX's thousands separator (10{,}000)
         unit = min((i for i in (content.find(c) for c in UNIT_COMMANDS) if i >= 0), default=len(content))
         content, unit_text = content[:unit], content[unit:]
-        if any("0" <= c <= "9" for c in unit_text):
+        if any("0" <= c <= "9" for c in _SQUARE_OR_CUBE.sub("", unit_text)):  # cm^2 and m^{3} are units
             return None
         match = _BOXED_CONTENT.fullmatch(content)
         return parse_number(match.group(2), match.group(1) == "-") if match else None
