@@ -184,10 +184,10 @@ def test_conversational_completions_without_ids(qwen_tokenizer):
 
 def test_extract_reads_values(qwen_tokenizer):
     reward = MathAnswerReward(qwen_tokenizer)
-    ids, mask = pad_right(encode(qwen_tokenizer, ["\\boxed{-1,234.5}", "\\boxed{x}", "\\boxed{123456789012345678}"]))
-    value, found = reward.extract(ids, mask)
-    assert found.tolist() == [True, False, True]
-    assert value[0].item() == -1234.5 and value[2].item() == 123456789012345678.0
+    texts = ["\\boxed{-1,234.5}", "\\boxed{x}", "\\boxed{123456789012345678}", "\\boxed{72, 73}"]
+    value, found = reward.extract(*pad_right(encode(qwen_tokenizer, texts)))
+    assert found.tolist() == [True, False, True, False]
+    assert value.tolist() == [-1234.5, 0.0, 123456789012345678.0, 0.0]  # 0 where nothing was found
 
 
 FUZZ_PROSE = ["so ", "72", " \\boxed{5}", "####", "\n", "-", "$", "x", "}", "{", " 250", "1,000", ". "]

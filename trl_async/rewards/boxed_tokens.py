@@ -15,7 +15,7 @@ A *piece* is a row of these tables:
   entered at brace depth ``d`` (``'}.'`` closes at depth 0, ``'}}'`` at 0 or 1): row ``closing_base[piece] + d``.
 
 Per piece: its monoid element, brace depth change and lowest running depth, digit count and value (the digits
-concatenated), digits after its first ``.`` (+1; 0 when it has none), whether a ``-`` comes before its first digit,
+concatenated), digits after its first ``.`` (-1000 when it has none), whether a ``-`` comes before its first digit,
 all of the text before its first ``^`` (unit exponents, ``cm^2``, come after it), and whether it has a ``^``.
 
 Invariant (tested against :func:`~trl_async.rewards.math_answer.final_answer` on fuzzed text and three
@@ -39,11 +39,12 @@ from .vocab_tables import VocabTables, char_code
 take = VocabTables.take
 
 MAX_DEPTH = 16  # a box whose closing brace comes at a deeper brace nesting is not read
+_NO_DOT = -1000  # "digits after the first dot" of a piece without one: below any real count plus the digits after
 
 
 def _fields(text: str) -> tuple[int, int, int, int, int, int, int]:
     """(brace change, lowest running depth, has a '^', then of the text before its first '^': digit count, digit
-    value, 1 + digits after the first '.' or 0, 1 when a '-' comes before the first digit) of one piece's text.
+    value, digits after the first '.' or _NO_DOT, 1 when a '-' comes before the first digit) of one piece's text.
 
     In an accepted box every digit before the first '^' is the number's and every one after it a unit's exponent."""
     depth = lowest = 0
@@ -56,7 +57,7 @@ def _fields(text: str) -> tuple[int, int, int, int, int, int, int]:
     count = len(digits)
     value = int("".join(digits)) if 0 < count <= MAX_DIGITS else 0
     dot = head.find(".")
-    after_dot = 1 + sum("0" <= ch <= "9" for ch in head[dot + 1 :]) if dot >= 0 else 0
+    after_dot = sum("0" <= ch <= "9" for ch in head[dot + 1 :]) if dot >= 0 else _NO_DOT
     first_digit = next((i for i, ch in enumerate(head) if "0" <= ch <= "9"), len(head))
     minus = int("-" in head[:first_digit])
     return depth, lowest, int(caret >= 0), min(count, MAX_DIGITS + 1), value, after_dot, minus
@@ -103,7 +104,7 @@ class BoxedTokenReader:
         self.caret = fields[:, 2].to(torch.int32)  # (R,) 1: the text has a '^'
         self.n_digits = fields[:, 3].to(torch.int32)  # (R,) before the first '^', capped at MAX_DIGITS + 1
         self.digit_value = fields[:, 4]  # (R,) int64
-        self.after_dot = fields[:, 5].to(torch.int32)  # (R,) 1 + digits after the first '.', 0 without one
+        self.after_dot = fields[:, 5].to(torch.int32)  # (R,) digits after the first '.', -1000 without one
         self.minus_first = fields[:, 6].to(torch.int32)  # (R,) 1: a '-' before the first digit
         self.pow10 = torch.tensor([10**k for k in range(MAX_DIGITS + 1)], dtype=torch.int64)  # place values
         self.pow10f = self.pow10.to(torch.float64)
@@ -157,7 +158,8 @@ class BoxedTokenReader:
         # Where the box closes: the first piece whose lowest running depth, from its entry depth, goes below zero.
         change = take(depth_change, piece)  # (B, W)
         entry = change.cumsum(dim=1, dtype=torch.int32) - change  # (B, W) depth before each piece
-        closing = pos.first((entry + take(lowest, piece)) < 0)  # (B,) W when the box does not close here
+        below = (entry + take(lowest, piece)) >> 31  # (B, W) -1 where the running depth goes below zero, else 0
+        closing = window - (below & pos.rev).amax(dim=1)  # (B,) the first such piece, W when none
         at = closing.clamp(max=window - 1).long()[:, None]  # (B, 1)
         depth = entry.gather(1, at)[:, 0]  # (B,)
         closer = take(closing_base, piece.gather(1, at)[:, 0]) + depth.clamp(max=MAX_DEPTH - 1)  # (B,)
@@ -180,10 +182,9 @@ class BoxedTokenReader:
         after = total[:, None] - seen  # (B, W) digits after each piece
         place = take(pow10, after.clamp(max=MAX_DIGITS))  # (B, W) int64
         mantissa = (take(digit_value, digits) * place).sum(dim=1)  # (B,) exact
-        dot = take(after_dot, digits)  # (B, W)
-        fraction = ((dot - 1 + after) * dot.clamp(max=1)).amax(dim=1)  # (B,) digits after the first dot
-        value = mantissa.to(torch.float64) / take(pow10f, fraction.clamp(0, MAX_DIGITS))
-        negative = ((take(minus_first, digits) * (seen - count == 0)).sum(dim=1) > 0) & (total > 0)
+        fraction = (take(after_dot, digits) + after).amax(dim=1).clamp_(0, MAX_DIGITS)  # (B,) after the first dot
+        value = mantissa.to(torch.float64) / take(pow10f, fraction)
+        negative = (take(minus_first, digits) - (seen - count)).amax(dim=1) > 0  # a '-' with no digit before it
         value = torch.where(negative, -value, value)
         return value, ok & (total <= MAX_DIGITS)
 

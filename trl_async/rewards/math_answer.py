@@ -227,13 +227,18 @@ class MathAnswerReward(TensorReward):
                 f"{self.__name__} needs the target column {self.answer_column!r}; got columns {sorted(columns)}. "
                 "Pass `answer_column=` to read another one."
             )
-        value, found = self.extract(completion_ids, completion_mask)  # (B,), (B,)
+        value, found = self._read(completion_ids, completion_mask)  # (B,), (B,)
         target = column_tensor(columns[self.answer_column], value.device, target_value, value.shape[0])  # (B,)
         close = (value - target).abs() <= self.abs_tol + self.rel_tol * target.abs()  # NaN target -> False
         return (found & close).to(torch.float32)
 
     def extract(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor):
         """The final answers: ``(value (B,) float64, found (B,) bool)``; value is 0 where nothing was found."""
+        value, found = self._read(completion_ids, completion_mask)
+        return torch.where(found, value, 0.0), found
+
+    def _read(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor):
+        """:meth:`extract`, but value is unspecified where nothing was found."""
         completion_ids, completion_mask = at_least_one_column(completion_ids, completion_mask)
         if self.packed is not None:
             return self._extract_packed(completion_ids, completion_mask.bool())
