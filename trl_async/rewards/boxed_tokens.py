@@ -194,7 +194,7 @@ _LOCK = threading.Lock()
 
 
 def boxed_token_reader(vocab_tables, opener: LiteralTables, automaton: BoxedAutomaton) -> BoxedTokenReader:
-    """The reader of one vocabulary (built on first use, ~1 s for a 152k vocabulary, then cached)."""
+    """The reader of one vocabulary (built on first use, ~1.5 s for a 152k vocabulary, then cached)."""
     with _LOCK:
         found = _READERS.get(vocab_tables)
         if found is None:
