@@ -116,21 +116,28 @@ class BoxedTokenReader:
         """The monoid element of every piece's text, folded one character column at a time over all pieces."""
         compose = automaton.compose.to(torch.int64)
         n = automaton.n_functions
-        generator = automaton.generator.to(torch.int64)  # (K,) function id of each character class
-        code_class = automaton.code_class.to(torch.int64)  # (128,)
-        codes: dict[str, int] = {}
-        order = sorted(range(len(pieces)), key=lambda i: len(pieces[i]))  # chunks of similar lengths
+        # Every character's class at once: code points of all texts joined, through a table over the code points used.
+        joined = "".join(pieces)
+        points = torch.frombuffer(bytearray(joined.encode("utf-32-le", "surrogatepass")), dtype=torch.int32).long()
+        code_of_point = torch.zeros(int(points.max()) + 1 if len(joined) else 1, dtype=torch.int64)
+        for ch in set(joined):
+            code_of_point[ord(ch)] = char_code(ch)
+        classes = automaton.code_class.to(torch.int64).index_select(0, code_of_point.index_select(0, points))
+        identity = torch.tensor([automaton.identity])  # a padding slot after the last character
+        generators = torch.cat([automaton.generator.to(torch.int64).index_select(0, classes), identity])  # (N + 1,)
+        nul = len(generators) - 1
+        lengths = torch.tensor([len(p) for p in pieces])  # (R,)
+        starts = lengths.cumsum(0) - lengths  # (R,) where each text begins in `joined`
+        order = torch.argsort(lengths)  # chunks of similar lengths
         out = torch.full((len(pieces),), automaton.identity, dtype=torch.int64)
-        for lo in range(0, len(order), 8192):
-            rows = order[lo : lo + 8192]
-            width = max(1, len(pieces[rows[-1]]))
-            chars = [[codes.setdefault(c, char_code(c)) for c in pieces[i]] for i in rows]
-            padded = torch.tensor([c + [0] * (width - len(c)) for c in chars], dtype=torch.int64)  # (P, C), NUL pads
-            classes = code_class.index_select(0, padded.view(-1)).view(len(rows), width).t().contiguous()  # (C, P)
+        for lo in range(0, len(pieces), 8192):
+            rows = order[lo : lo + 8192]  # (P,)
             f = torch.full((len(rows),), automaton.identity, dtype=torch.int64)
-            for column in classes:
-                f = compose.index_select(0, f * n + generator.index_select(0, column))
-            out[torch.tensor(rows)] = f
+            for column in range(int(lengths[rows[-1]])):
+                inside = column < lengths[rows]  # (P,)
+                at = torch.where(inside, starts[rows] + column, nul)  # (P,) the character, or padding
+                f = compose.index_select(0, f * n + generators.index_select(0, at))
+            out[rows] = f
         return out.to(torch.int32)
 
     def on(self, device: torch.device) -> tuple:
@@ -194,7 +201,7 @@ _LOCK = threading.Lock()
 
 
 def boxed_token_reader(vocab_tables, opener: LiteralTables, automaton: BoxedAutomaton) -> BoxedTokenReader:
-    """The reader of one vocabulary (built on first use, ~1.5 s for a 152k vocabulary, then cached)."""
+    """The reader of one vocabulary (built on first use, ~0.6 s for a 152k vocabulary, then cached)."""
     with _LOCK:
         found = _READERS.get(vocab_tables)
         if found is None:
