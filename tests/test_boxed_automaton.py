@@ -9,7 +9,7 @@ import random
 import torch
 
 from trl_async.rewards import VocabTables, final_answer
-from trl_async.rewards.boxed_automaton import CLASSES, BoxedAutomaton, boxed_automaton
+from trl_async.rewards.boxed_automaton import CLASSES, BoxedAutomaton, _step, boxed_automaton
 from trl_async.rewards.boxed_tokens import BoxedTokenReader
 
 WIDTH = 64
@@ -81,7 +81,7 @@ def test_a_window_that_ends_before_the_closing_brace_is_not_read():
     assert read(["72} 5"]) == [72.0]  # what follows the closing brace is not read
 
 
-def test_the_monoid_is_closed_associative_and_small():
+def test_the_monoid_composes_the_functions_and_is_associative_and_small():
     automaton = BoxedAutomaton()
     f = automaton.n_functions
     compose = automaton.compose.view(f, f).long()
@@ -90,4 +90,10 @@ def test_the_monoid_is_closed_associative_and_small():
     assert torch.equal(compose[compose[a, b], c], compose[a, compose[b, c]])
     identity = torch.arange(f)
     assert torch.equal(compose[automaton.identity], identity) and torch.equal(compose[:, automaton.identity], identity)
-    assert f < 2000 and automaton.n_classes == len(CLASSES)  # the composition table stays a few MB
+    assert f < 2000 and automaton.n_classes == len(CLASSES)  # the composition table stays under 16 MB
+    # compose[a, b] is the function "a, then b" (states s -> b[a[s]]), and each generator is its class's step
+    functions = automaton.functions.long()  # (F, S)
+    assert torch.equal(functions[compose[a, b]], functions[b].gather(1, functions[a]))
+    states = automaton.states
+    steps = [[states.index(_step(state, name)) for state in states] for name in CLASSES]  # (K, S) one character
+    assert functions[automaton.generator.long()].tolist() == steps

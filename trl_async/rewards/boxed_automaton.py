@@ -193,6 +193,8 @@ class BoxedAutomaton:
         self.n_classes = len(CLASSES)
         self.compose = compose.to(torch.int32).reshape(-1)  # (F*F,) flat: a * F + b (int32: indexes directly)
         self.accepts = torch.tensor([f[start] in accepting for f in functions])  # (F,) from "start"
+        self.states = states  # (S,) names
+        self.functions = torch.tensor(functions, dtype=torch.int16)  # (F, S) the state each function maps each to
         self.identity = 0
         self.generator = right_t[0].to(torch.int32)  # (K,) the function of one character of each class
         code_table = [_class_of_code(c) for c in range(128)]
