@@ -17,7 +17,7 @@ Invariants:
   commands can be spelled), an uppercase one ``UPPER + i``; other letters are :data:`LETTER`; every other code is
   below :data:`DIGIT`.
 * Tables are plain CPU tensors, copied once per device (:meth:`VocabTables.on`) and cached; building them for a
-  152k vocabulary takes about a second, and happens once per (tokenizer, ``C``) per process.
+  152k vocabulary takes 1-2 s, and happens once per (tokenizer, ``C``) per process.
 """
 
 from __future__ import annotations
