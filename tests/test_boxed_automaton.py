@@ -9,7 +9,7 @@ import random
 import torch
 
 from trl_async.rewards import VocabTables, final_answer
-from trl_async.rewards.boxed_automaton import CLASSES, BoxedAutomaton, _step, boxed_automaton
+from trl_async.rewards.boxed_automaton import CLASSES, BoxedAutomaton, _step
 from trl_async.rewards.boxed_tokens import BoxedTokenReader
 
 WIDTH = 64
@@ -29,7 +29,7 @@ CHARACTERS = [chr(c) for c in range(32, 127)] + ["\n", "é"]  # the vocabulary: 
 
 @functools.lru_cache(maxsize=1)
 def character_reader() -> BoxedTokenReader:
-    return BoxedTokenReader(CHARACTERS, VocabTables(CHARACTERS).literal("\\boxed{"), boxed_automaton())
+    return BoxedTokenReader(VocabTables(CHARACTERS))
 
 
 def read(contents: list[str]) -> list[float | None]:

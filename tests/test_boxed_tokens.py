@@ -9,7 +9,6 @@ import torch
 
 from tests.test_boxed_automaton import contents
 from trl_async.rewards import VocabTables, final_answer
-from trl_async.rewards.boxed_automaton import boxed_automaton
 from trl_async.rewards.boxed_tokens import MAX_DEPTH, BoxedTokenReader
 from trl_async.rewards.literal import PackedLiteral, last_literal
 
@@ -33,7 +32,7 @@ def read_all(texts: list[list[str]], window: int = 24) -> list[float | None]:
     index = {p: i for i, p in enumerate(vocab)}
     tables = VocabTables(vocab)
     opener = tables.literal("\\boxed{")
-    reader = BoxedTokenReader(vocab, opener, boxed_automaton())
+    reader = BoxedTokenReader(tables)
     length = max(len(p) for p in texts)
     ids = torch.zeros((len(texts), length), dtype=torch.long)  # (B, L)
     mask = torch.zeros((len(texts), length), dtype=torch.bool)

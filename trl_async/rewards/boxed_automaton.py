@@ -53,10 +53,9 @@ CLASSES = (
     ["nul", "space", "dollar", "percent", "lbrace", "rbrace", "backslash", "spacing", "equals", "plus", "minus"]
     + ["caret", "dot", "comma", "ascii_letter", "other"]
     + [f"letter_{ch}" for ch in _UNIT_LETTERS]
-    + [f"digit{d}" for d in range(10)]  # last, so that class - DIGIT0 is the digit's value
+    + [f"digit{d}" for d in range(10)]
 )
 _CLASS = {name: i for i, name in enumerate(CLASSES)}
-DIGIT0, DOT_CLASS, MINUS_CLASS = _CLASS["digit0"], _CLASS["dot"], _CLASS["minus"]
 
 
 def _class_of_code(code: int) -> int:
@@ -171,8 +170,8 @@ class BoxedAutomaton:
         states += ["nb", "nbc", "unit", "unit^", "unit^{", "unit^{d", "reject"]  # nb, nbc: "{", "{," in a number
         index = {s: i for i, s in enumerate(states)}
         n_states = len(states)
-        generators = torch.tensor([[index[_step(s, c)] for s in states] for c in CLASSES])  # (K, S)
-        functions, right, parent, via = self._closure(generators.tolist(), n_states)
+        generators = [[index[_step(s, c)] for s in states] for c in CLASSES]  # (K, S) one character of each class
+        functions, right, parent, via = self._closure(generators, n_states)
         self.n_functions = len(functions)
         # compose[a, b]: the function of "a's string, then b's string". Column 0 (the identity) is every a; a string
         # b found as parent(b) + one character of class via(b) has compose[a, b] = right[compose[a, parent(b)], via(b)],

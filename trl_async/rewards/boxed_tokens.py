@@ -31,8 +31,7 @@ import weakref
 
 import torch
 
-from .boxed_automaton import MAX_DIGITS, BoxedAutomaton
-from .literal import LiteralTables
+from .boxed_automaton import MAX_DIGITS, BoxedAutomaton, boxed_automaton
 from .positions import Positions
 from .vocab_tables import VocabTables, char_code
 
@@ -75,7 +74,8 @@ def _before_close(text: str, depth: int) -> str | None:
 class BoxedTokenReader:
     """The piece tables of one vocabulary for the ``\\boxed{`` opener (see the module docstring)."""
 
-    def __init__(self, texts: list[str], opener: LiteralTables, automaton: BoxedAutomaton):
+    def __init__(self, vocab_tables: VocabTables):
+        texts, opener, automaton = vocab_tables.texts, vocab_tables.literal("\\boxed{"), boxed_automaton()
         vocab = len(texts)
         pieces: list[str] = ["", *texts, ""]  # the key space
         suffix_base = [0] * (vocab + 2)
@@ -200,10 +200,10 @@ _READERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def boxed_token_reader(vocab_tables, opener: LiteralTables, automaton: BoxedAutomaton) -> BoxedTokenReader:
+def boxed_token_reader(vocab_tables: VocabTables) -> BoxedTokenReader:
     """The reader of one vocabulary (built on first use, ~0.6 s for a 152k vocabulary, then cached)."""
     with _LOCK:
         found = _READERS.get(vocab_tables)
         if found is None:
-            found = _READERS[vocab_tables] = BoxedTokenReader(vocab_tables.texts, opener, automaton)
+            found = _READERS[vocab_tables] = BoxedTokenReader(vocab_tables)
         return found

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from .base import TensorReward, at_least_one_column, column_tensor
-from .boxed_automaton import MAX_DIGITS, UNIT_COMMANDS, boxed_automaton
+from .boxed_automaton import MAX_DIGITS, UNIT_COMMANDS
 from .boxed_tokens import boxed_token_reader
 from .literal import PackedLiteral, find_literal, last_literal
 from .positions import Positions
@@ -218,8 +218,7 @@ class MathAnswerReward(TensorReward):
         fast = self.opener is not None and self.opener.n <= PackedLiteral.MAX_N
         fast = fast and all(0 <= e < self.tables.vocab_size for e in eos)
         self.packed = PackedLiteral(self.opener, self.tables.vocab_size, eos) if fast else None
-        self.automaton = boxed_automaton() if answer_format == "boxed" else None
-        self.reader = boxed_token_reader(self.tables, self.opener, self.automaton) if self.automaton else None
+        self.reader = boxed_token_reader(self.tables) if answer_format == "boxed" else None
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
         if self.answer_column not in columns:
@@ -275,12 +274,9 @@ class MathAnswerReward(TensorReward):
         inside = (index < first_eos[:, None]) & (token >= 0)  # (B, W)
         window = torch.where(inside, token, self.tables.null_id)  # (B, W) V = null
         codes, complete = self._window_codes(window, offset)
-        if self.answer_format == "boxed":
-            value, ok = self.automaton.read(codes)
-        else:
-            positions = torch.arange(length, device=ids.device)
-            n_valid = (mask & (positions < first_eos[:, None])).sum(dim=1)
-            value, ok = _read_hash(codes, text_ends_in_window=complete & (start + self.window >= n_valid))
+        positions = torch.arange(length, device=ids.device)
+        n_valid = (mask & (positions < first_eos[:, None])).sum(dim=1)
+        value, ok = _read_hash(codes, text_ends_in_window=complete & (start + self.window >= n_valid))
         return value, (last >= 0) & ok
 
     # ---- windows of character codes ------------------------------------------------------------------------------
