@@ -267,3 +267,20 @@ def test_the_vectorisation_check_catches_host_syncs(body):
     ids = torch.ones(2, 3, dtype=torch.long)
     with pytest.raises(Exception):  # noqa: B017 (fake-tensor and dynamo errors have several types)
         assert_vectorised(namespace["score"], ids, ids)
+
+
+@pytest.mark.parametrize("answer_format", ["boxed", "hash", "last_number"])
+def test_score_leaves_its_inputs_alone_whatever_their_dtype_and_layout(qwen_tokenizer, answer_format):
+    """int32 ids (which `.to(torch.int32)` would return as they are) are not written to; a transposed-contiguous
+    batch (a view of a (L, B) buffer) reads like a contiguous one."""
+    reward = MathAnswerReward(qwen_tokenizer, answer_format=answer_format)
+    texts = ["\\boxed{72}", "#### 72", "so 72", "\\boxed{7}"]
+    ids, mask = pad_right(encode(qwen_tokenizer, texts))
+    want = reward.score(ids, mask, answer=["72"] * 4)
+    ids32 = ids.to(torch.int32)
+    before = ids32.clone()
+    assert torch.equal(reward.score(ids32, mask, answer=["72"] * 4), want)
+    assert torch.equal(ids32, before)
+    transposed_ids, transposed_mask = ids.t().contiguous().t(), mask.t().contiguous().t()
+    assert not transposed_ids.is_contiguous()
+    assert torch.equal(reward.score(transposed_ids, transposed_mask, answer=["72"] * 4), want)
