@@ -8,9 +8,10 @@ import random
 import torch
 
 from tests.test_boxed_automaton import contents
-from trl_async.rewards import VocabTables, final_answer
+from trl_async.rewards import VocabTables, final_answer, native
 from trl_async.rewards.boxed_tokens import MAX_DEPTH, BoxedTokenReader
 from trl_async.rewards.literal import PackedLiteral, last_literal
+from trl_async.rewards.native import LastBoxKernel
 
 PROSE = ["So ", "72 ", "\\boxed{5} ", "{", "}", "$", "x", "\\", "box", "ed", " the answer: ", "\n"]
 
@@ -27,7 +28,8 @@ def split(text: str, rng: random.Random, longest: int) -> list[str]:
 
 def read_all(texts: list[list[str]], window: int = 24) -> list[float | None]:
     """Tokenise each text (a list of pieces) with a vocabulary made of all the pieces, find the last opener with the
-    one-pass automaton, read the box: what MathAnswerReward does, on this vocabulary."""
+    one-pass automaton, read the box: what MathAnswerReward does, on this vocabulary (with torch ops, and with the
+    compiled kernel where a C compiler exists, which must agree)."""
     vocab = sorted({p for pieces in texts for p in pieces})
     index = {p: i for i, p in enumerate(vocab)}
     tables = VocabTables(vocab)
@@ -42,7 +44,11 @@ def read_all(texts: list[list[str]], window: int = 24) -> list[float | None]:
     packed = PackedLiteral(opener, len(vocab), eos_token_ids=[])
     key, first_eos, last, offset = last_literal(ids, mask, packed, opener.max_chain)
     value, ok = reader.read(key, last.clamp(min=0), offset, first_eos, window)
-    return [v if k else None for v, k in zip(value.tolist(), (ok & (last >= 0)).tolist())]
+    found = ok & (last >= 0)
+    if native.compiler() is not None:  # the compiled kernel reads the same tables: the same answers
+        kernel_value, kernel_found = LastBoxKernel(packed, reader, window).read(ids, mask)
+        assert torch.equal(kernel_found, found) and torch.equal(kernel_value, torch.where(found, value, 0.0))
+    return [v if k else None for v, k in zip(value.tolist(), found.tolist())]
 
 
 def test_random_token_splits_read_as_the_specification():

@@ -262,6 +262,9 @@ def measure(tokenizer, cases, reference, answer_format):
     ids, mask = pad_right(rows, pad_id=tokenizer.pad_token_id)
     reward = MathAnswerReward(tokenizer, answer_format=answer_format)
     ours = reward.score(ids, mask, answer=[c.target for c in cases]).tolist()
+    if reward.kernel is not None:  # the compiled kernel scored: torch ops must score the same
+        torch_ops = MathAnswerReward(tokenizer, answer_format=answer_format, cpu_kernel=False)
+        assert torch_ops.score(ids, mask, answer=[c.target for c in cases]).tolist() == ours
     theirs = [reference(t, c.target) for t, c in zip(texts, cases)]
     disagreements = [(t, c, o, r) for t, c, o, r in zip(texts, cases, ours, theirs) if o != r]
     return ours, theirs, disagreements

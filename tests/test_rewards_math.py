@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.test_rewards_tokenizers import merged_digit_tokenizer, smollm2_tokenizer
-from trl_async.rewards import MathAnswerReward, final_answer, pad_right, target_value
+from trl_async.rewards import MathAnswerReward, final_answer, native, pad_right, target_value
 
 TOKENIZERS = ["qwen", "smollm2", "merged_digits"]
 
@@ -18,6 +18,14 @@ def tokenizer(request, qwen_tokenizer):
     return {"qwen": lambda: qwen_tokenizer, "smollm2": smollm2_tokenizer, "merged_digits": merged_digit_tokenizer}[
         request.param
     ]()
+
+
+@pytest.fixture(params=["compiled", "torch_ops"])
+def cpu_kernel(request):
+    """The boxed read on CPU: through the compiled kernel (the default where a C compiler exists) or torch ops."""
+    if request.param == "compiled" and native.compiler() is None:
+        pytest.skip("no C compiler on this machine ($CC / cc): the kernel cannot be built (CI has gcc)")
+    return request.param == "compiled"
 
 
 def encode(tokenizer, texts, eos=True):
@@ -89,18 +97,19 @@ BOXED_CASES = [  # (completion, target, reward)
     ("\\boxed{8\\,\\mathrm{m}^{3}}", "8", 1.0),
     ("\\boxed{8 \\text{ m}^{4}}", "8", 0.0),
     ("\\boxed{8 \\text{ m}^{23}}", "8", 0.0),
+    ("\\boxed{5 \\text{ km-h}}", "5", 1.0),  # a '-' in the unit text is no sign
 ]
 
 
 @pytest.mark.parametrize("text,target,expected", BOXED_CASES)
-def test_boxed_cases_both_paths(tokenizer, text, target, expected):
-    reward = MathAnswerReward(tokenizer)
+def test_boxed_cases_both_paths(tokenizer, cpu_kernel, text, target, expected):
+    reward = MathAnswerReward(tokenizer, cpu_kernel=cpu_kernel)
     assert both_paths(reward, tokenizer, [text], answer=[target]) == [expected]
     assert final_answer(text) == (target_value(target) if expected else final_answer(text))
 
 
-def test_gaming_right_number_mentioned_but_wrong_box_gets_zero(tokenizer):
-    reward = MathAnswerReward(tokenizer)
+def test_gaming_right_number_mentioned_but_wrong_box_gets_zero(tokenizer, cpu_kernel):
+    reward = MathAnswerReward(tokenizer, cpu_kernel=cpu_kernel)
     texts = [
         "72 72 72 72. The answer is 72, definitely 72. \\boxed{5}",
         "\\boxed{72} is what a cheater writes first; my final answer: \\boxed{70}",
@@ -110,8 +119,8 @@ def test_gaming_right_number_mentioned_but_wrong_box_gets_zero(tokenizer):
     assert both_paths(reward, tokenizer, texts, answer=["72"] * 4) == [0.0, 0.0, 0.0, 0.0]
 
 
-def test_only_text_before_the_first_eos_is_read(tokenizer):
-    reward = MathAnswerReward(tokenizer)
+def test_only_text_before_the_first_eos_is_read(tokenizer, cpu_kernel):
+    reward = MathAnswerReward(tokenizer, cpu_kernel=cpu_kernel)
     eos = tokenizer.eos_token_id
     first = tokenizer("\\boxed{5}", add_special_tokens=False).input_ids
     after = tokenizer(" \\boxed{72}", add_special_tokens=False).input_ids
@@ -218,7 +227,7 @@ def test_tensor_path_equals_string_specification_on_fuzzed_text(tokenizer, answe
     texts = fuzz_texts(opener, 600, answer_format)
     # an EOS id outside the tokenizer's vocabulary (a padded embedding row) takes the general path
     eos = [tokenizer.eos_token_id] + ([] if one_pass else [len(tokenizer) + 7])
-    reward = MathAnswerReward(tokenizer, answer_format=answer_format, eos_token_ids=eos)
+    reward = MathAnswerReward(tokenizer, answer_format=answer_format, eos_token_ids=eos, cpu_kernel=False)
     assert (reward.packed is not None) == (one_pass and answer_format != "last_number")
     ids, mask = pad_right(encode(tokenizer, texts))
     value, found = reward.extract(ids, mask)
@@ -273,7 +282,7 @@ def test_the_vectorisation_check_catches_host_syncs(body):
 def test_score_leaves_its_inputs_alone_whatever_their_dtype_and_layout(qwen_tokenizer, answer_format):
     """int32 ids (which `.to(torch.int32)` would return as they are) are not written to; a transposed-contiguous
     batch (a view of a (L, B) buffer) reads like a contiguous one."""
-    reward = MathAnswerReward(qwen_tokenizer, answer_format=answer_format)
+    reward = MathAnswerReward(qwen_tokenizer, answer_format=answer_format, cpu_kernel=False)
     texts = ["\\boxed{72}", "#### 72", "so 72", "\\boxed{7}"]
     ids, mask = pad_right(encode(qwen_tokenizer, texts))
     want = reward.score(ids, mask, answer=["72"] * 4)

@@ -6,7 +6,10 @@
 Methods, all scoring the same batch of right-padded completion ids (Qwen2.5 tokenizer, EOS-terminated, some cut
 off) against a string ``answer`` column, and all returning a ``(B,)`` reward tensor on the batch's device:
 
-* ``tensor``: ``MathAnswerReward.score(ids, mask, answer=[...])`` (last ``\\boxed{}``, parsed on the tensor).
+* ``tensor``: ``MathAnswerReward.score(ids, mask, answer=[...])`` (last ``\\boxed{}``, parsed on the tensor), as
+  it runs by default: on a CPU through its compiled kernel (:mod:`trl_async.rewards.native`) where one can be built.
+* ``tensor, torch ops``: the same reward with ``cpu_kernel=False``, the torch-op path every other device runs (shown on
+  CPU when the default is the kernel).
 * ``decode+regex``: ``ids.tolist()``, ``tokenizer.batch_decode`` of each row up to its length, then the reward's
   own string specification (:func:`trl_async.rewards.final_answer`, regex based) per text.
 * ``math-verify``: the same decode, then ``math_verify.parse`` + ``verify`` per text. It is slow, so above 64 samples
@@ -23,16 +26,13 @@ median seconds. Threads:
 ``--threads 2`` by default; on a 2-core machine that is busy with anything else, two OpenMP threads make every tensor
 op wait for a descheduled thread (erratic, up to 10x slower), so measure there with ``--threads 1``.
 
-Where the tensor path's time goes (CPU, B=256, L=512, 1 thread, called back to back: ~1.2 ms in one measurement;
-this VM's slow spells stretch every figure): ~0.6 ms the one pass over the whole ``(B, L)`` batch (int32 keys, one
-packed table lookup per token, the byte-wide ``\\boxed{`` automaton on the flattened batch, first EOS and last opener
-as int16 max reductions: ~40 ops, all arithmetic, since comparisons and ``argmax`` over (B, L) cost several times
-more on CPU); ~0.45 ms reading the box over 24 tokens with per-token tables (~70 ops of a few microseconds each, so
-dispatch-bound); ~0.15 ms the rest (target column, comparison). Timed in turns with the other methods, as this
-benchmark does, every op costs more (~1.3-1.5x: the caches and predictors the other code leaves behind, as in a
-trainer, where the reward runs between generation and the loss). The seed loop costs ~5.5 ms (~22 us a sample), so
-10x it (~0.55 ms) is less than the (B, L) pass alone: out of reach for an exact reader in eager PyTorch on a CPU.
-``torch.compile`` (inductor, CPU) made the (B, L) pass 1.5x slower here (0.87 vs 0.58 ms), not faster.
+Where the time goes (CPU, B=256, L=512): the default score is ~0.16 ms back to back at 1 thread (one C call that
+scans the ids, skipping the tokens that cannot touch ``\\boxed{`` or EOS with a bitmap, then reads and compares the
+box; plus the target column), ~0.42 ms timed in turns with the other methods, as this benchmark does (the caches and
+predictors other code leaves behind, as in a trainer, where the reward runs between generation and the loss). The
+torch-op path is ~150 small ops (~0.6 ms the one pass over the ``(B, L)`` ids, ~0.45 ms the box over 24 tokens, at 1
+thread), so on a CPU it costs mostly dispatch; ``torch.compile`` (inductor, CPU) made its ``(B, L)`` pass 1.5x slower
+here, not faster. The seed loop costs ~22 us a sample.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import torch
 from trl_async.rewards import MathAnswerReward, TokenPatternReward, final_answer, target_value
 
 MATH_VERIFY_SUBSET = 64
+TORCH_OPS = "tensor, torch ops"
 
 
 def make_batch(tokenizer, batch: int, length: int, seed: int = 0):
@@ -150,12 +151,15 @@ def pattern_tensor(patterns: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def time_cell(tokenizer, reward, ids_cpu, mask_cpu, answers, patterns_cpu, repeats, device) -> dict[str, float]:
-    """Median seconds per batch of each method on one (B, L, device) cell."""
+def time_cell(tokenizer, rewards, ids_cpu, mask_cpu, answers, patterns_cpu, repeats, device) -> dict[str, float]:
+    """Median seconds per batch of each method on one (B, L, device) cell. ``rewards``: the default
+    ``MathAnswerReward`` and its torch-ops twin (``cpu_kernel=False``)."""
+    reward, torch_ops = rewards
     ids, mask = ids_cpu.to(device), mask_cpu.to(device)
     patterns = [p.to(device) for p in patterns_cpu]
     expected = decode_regex(tokenizer, ids_cpu, mask_cpu, answers)
     assert torch.equal(reward.score(ids, mask, answer=answers).cpu(), expected), "tensor path != string spec"
+    assert torch.equal(torch_ops.score(ids, mask, answer=answers).cpu(), expected), "torch ops != string spec"
     seed_rule = TokenPatternReward(tokenizer, anchor="anywhere")
     pattern = pattern_tensor(patterns_cpu).to(device)  # (B, K)
     seed_rewards = seed_loop(ids, tokenizer.eos_token_id, patterns)
@@ -165,11 +169,14 @@ def time_cell(tokenizer, reward, ids_cpu, mask_cpu, answers, patterns_cpu, repea
     math_verify = "math-verify" + ("*" if subset < batch else "")
     methods = {
         "tensor": lambda: reward.score(ids, mask, answer=answers),
+        TORCH_OPS: lambda: torch_ops.score(ids, mask, answer=answers),
         "decode+regex": lambda: decode_regex(tokenizer, ids, mask, answers),
         "seed loop": lambda: seed_loop(ids, tokenizer.eos_token_id, patterns),
         "seed rule": lambda: seed_rule.score(ids, mask, answer=pattern),
         math_verify: lambda: math_verify_reward(tokenizer, ids[:subset], mask[:subset], answers[:subset]),
     }
+    if device.type != "cpu" or reward.kernel is None:  # then "tensor" already is the torch-op path
+        del methods[TORCH_OPS]
     seconds = timed_side_by_side(methods, repeats, device)
     seconds[math_verify] *= batch / subset
     return seconds
@@ -179,7 +186,7 @@ def run(batches, lengths, repeats: int, devices) -> list[dict]:
     from trl_async.offline_assets import qwen2_tokenizer
 
     tokenizer = qwen2_tokenizer()
-    reward = MathAnswerReward(tokenizer)
+    rewards = MathAnswerReward(tokenizer), MathAnswerReward(tokenizer, cpu_kernel=False)
     rows = []
     for length in lengths:
         for batch in batches:
@@ -189,7 +196,7 @@ def run(batches, lengths, repeats: int, devices) -> list[dict]:
                 for a in answers
             ]
             for device in devices:
-                seconds = time_cell(tokenizer, reward, ids_cpu, mask_cpu, answers, patterns_cpu, repeats, device)
+                seconds = time_cell(tokenizer, rewards, ids_cpu, mask_cpu, answers, patterns_cpu, repeats, device)
                 tensor_s = seconds["tensor"]
                 for name, s in seconds.items():
                     rows.append(dict(B=batch, L=length, device=str(device), method=name, per_s=batch / s, s=s))
@@ -199,7 +206,8 @@ def run(batches, lengths, repeats: int, devices) -> list[dict]:
 
 
 def markdown(rows) -> str:
-    """The methods against the tensor math reward, then the seed's rule as tensor ops against the seed's loop."""
+    """The methods against the tensor math reward, then the tensor paths and the seed's rule as tensor ops against
+    the seed's loop."""
     lines = [
         "| B | L | device | method | samples/s (median) | tensor is faster by |",
         "|---:|---:|---|---|---:|---:|",
@@ -211,16 +219,20 @@ def markdown(rows) -> str:
         lines.append(f"| {r['B']} | {r['L']} | {r['device']} | {r['method']} | {r['per_s']:,.0f} | {speedup} |")
     lines += [
         "",
-        'The seed\'s rule (its pattern anywhere before EOS) as tensor ops, `TokenPatternReward(anchor="anywhere")`:',
+        "Against the seed loop; `seed rule` is its rule (the answer's tokens anywhere before EOS) as tensor ops,",
+        '`TokenPatternReward(anchor="anywhere")`, checked equal to the loop\'s rewards:',
         "",
-        "| B | L | device | samples/s (median) | faster than the seed loop by |",
-        "|---:|---:|---|---:|---:|",
+        "| B | L | device | method | samples/s (median) | faster than the seed loop by |",
+        "|---:|---:|---|---|---:|---:|",
     ]
     cells = {(r["B"], r["L"], r["device"], r["method"]): r for r in rows}
     for r in rows:
-        if r["method"] == "seed rule":
+        if r["method"] in ("tensor", TORCH_OPS, "seed rule"):
             loop = cells[(r["B"], r["L"], r["device"], "seed loop")]
-            lines.append(f"| {r['B']} | {r['L']} | {r['device']} | {r['per_s']:,.0f} | {loop['s'] / r['s']:,.1f}x |")
+            lines.append(
+                f"| {r['B']} | {r['L']} | {r['device']} | {r['method']} | {r['per_s']:,.0f} | "
+                f"{loop['s'] / r['s']:,.1f}x |"
+            )
     return "\n".join(lines)
 
 

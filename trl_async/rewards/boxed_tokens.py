@@ -103,7 +103,7 @@ class BoxedTokenReader:
         self.lowest = fields[:, 1].to(torch.int32)  # (R,) <= 0
         self.caret = fields[:, 2].to(torch.int32)  # (R,) 1: the text has a '^'
         self.n_digits = fields[:, 3].to(torch.int32)  # (R,) before the first '^', capped at MAX_DIGITS + 1
-        self.digit_value = fields[:, 4]  # (R,) int64
+        self.digit_value = fields[:, 4].contiguous()  # (R,) int64
         self.after_dot = fields[:, 5].to(torch.int32)  # (R,) digits after the first '.', -1000 without one
         self.minus_first = fields[:, 6].to(torch.int32)  # (R,) 1: a '-' before the first digit
         self.pow10 = torch.tensor([10**k for k in range(MAX_DIGITS + 1)], dtype=torch.int64)  # place values

@@ -41,11 +41,17 @@ How the tensor path works (no decode, no per-sample loop, no host sync):
    punctuation (``' {-'``, ``'}.'``) read like text, compact the characters to the left, and read the run with prefix
    sums and masked reductions (character classes from one per-code bit table, ``_Chars``), values as above. On CPU
    these windows are dispatch-bound, so all of this is written in few ops.
+
+On CPU tensors the boxed read (1 and 2) and the comparison with the target run as one C call instead
+(:mod:`~trl_async.rewards.native`, ``last_box.c``, compiled on first use where a C compiler exists): the same
+tables, the same results (tested), ~5x faster, because ~110 torch ops on small tensors cost mostly dispatch.
+``cpu_kernel=False`` (or ``TRL_ASYNC_NATIVE=0``) keeps the torch-op path; other devices always use it.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 from collections.abc import Sequence
@@ -57,6 +63,7 @@ from .base import TensorReward, at_least_one_column, column_tensor
 from .boxed_automaton import MAX_DIGITS, UNIT_COMMANDS
 from .boxed_tokens import boxed_token_reader
 from .literal import PackedLiteral, find_literal, last_literal
+from .native import LastBoxKernel, NativeUnavailable
 from .positions import Positions
 from .vocab_tables import (
     BACKSLASH,
@@ -77,6 +84,7 @@ from .vocab_tables import (
 )
 
 take = VocabTables.take
+logger = logging.getLogger(__name__)
 
 ANSWER_FORMATS = ("boxed", "hash", "last_number")
 
@@ -178,6 +186,10 @@ class MathAnswerReward(TensorReward):
             the tables keep this many characters of a token (a longer one is read conservatively: never a number).
             A box reads every token whole.
         eos_token_ids, name: see :class:`~trl_async.rewards.TensorReward`.
+        cpu_kernel: for ``"boxed"`` on CPU tensors, read with the compiled kernel (:mod:`~trl_async.rewards.native`):
+            ``None`` (default) where it can be built, else torch ops; ``True`` always (raises
+            :class:`~trl_async.rewards.native.NativeUnavailable`, saying why, where it cannot be built); ``False``
+            never. Both give the same rewards.
 
     TRL: ``reward(prompts, completions, completion_ids, answer=[...])``; tensor: ``reward.score(ids, mask,
     answer=[...] or (B,) tensor)``. :meth:`extract` returns the parsed answers themselves.
@@ -197,6 +209,7 @@ class MathAnswerReward(TensorReward):
         token_chars: int = 8,
         eos_token_ids: Sequence[int] | None = None,
         name: str | None = None,
+        cpu_kernel: bool | None = None,
     ):
         if answer_format not in ANSWER_FORMATS:
             raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {answer_format!r}.")
@@ -219,6 +232,27 @@ class MathAnswerReward(TensorReward):
         fast = fast and all(0 <= e < self.tables.vocab_size for e in eos)
         self.packed = PackedLiteral(self.opener, self.tables.vocab_size, eos) if fast else None
         self.reader = boxed_token_reader(self.tables) if answer_format == "boxed" else None
+        self.kernel = self._cpu_kernel(cpu_kernel)
+
+    def _cpu_kernel(self, wanted: bool | None) -> LastBoxKernel | None:
+        """The compiled CPU kernel of the boxed read, or None (then the torch-op path runs on CPU too)."""
+        if wanted is False:
+            return None
+        try:
+            if self.answer_format != "boxed":
+                raise NativeUnavailable(
+                    f"the compiled kernel reads answer_format='boxed' only, not {self.answer_format!r}."
+                )
+            if self.packed is None:
+                raise NativeUnavailable(
+                    f"the compiled kernel needs EOS ids inside the vocabulary, got {self.eos_token_ids}."
+                )
+            return LastBoxKernel(self.packed, self.reader, self.window)
+        except NativeUnavailable as error:
+            if wanted:
+                raise NativeUnavailable(f"cpu_kernel=True, but {error}") from error
+            logger.info("MathAnswerReward reads on CPU with torch ops (%s)", error)
+            return None
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
         if self.answer_column not in columns:
@@ -226,6 +260,10 @@ class MathAnswerReward(TensorReward):
                 f"{self.__name__} needs the target column {self.answer_column!r}; got columns {sorted(columns)}. "
                 "Pass `answer_column=` to read another one."
             )
+        if self.kernel is not None and completion_ids.device.type == "cpu":  # read and compare in one C call
+            ids, mask = at_least_one_column(completion_ids, completion_mask)
+            target = column_tensor(columns[self.answer_column], ids.device, target_value, ids.shape[0])  # (B,)
+            return self.kernel.score(ids, mask, target, self.abs_tol, self.rel_tol)
         value, found = self._read(completion_ids, completion_mask)  # (B,), (B,)
         target = column_tensor(columns[self.answer_column], value.device, target_value, value.shape[0])  # (B,)
         close = (value - target).abs() <= self.abs_tol + self.rel_tol * target.abs()  # NaN target -> False
@@ -239,6 +277,8 @@ class MathAnswerReward(TensorReward):
     def _read(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor):
         """:meth:`extract`, but value is unspecified where nothing was found."""
         completion_ids, completion_mask = at_least_one_column(completion_ids, completion_mask)
+        if self.kernel is not None and completion_ids.device.type == "cpu":
+            return self.kernel.read(completion_ids, completion_mask)
         if self.packed is not None:
             return self._extract_packed(completion_ids, completion_mask.bool())
         keep = self.before_eos(completion_ids, completion_mask)  # (B, L)
