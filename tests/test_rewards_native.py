@@ -178,6 +178,30 @@ def test_without_a_compiler_the_torch_path_runs_or_a_clear_error(qwen_tokenizer,
         MathAnswerReward(qwen_tokenizer, cpu_kernel=True)
 
 
+def test_a_compiler_command_with_flags_and_an_unloadable_cached_library(
+    qwen_tokenizer, needs_compiler, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("TRL_ASYNC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "cc -O1 -Wall")  # $CC may carry flags: they are part of the command and of the name
+    assert native.compiler()[1:] == ["-O1", "-Wall"]
+    path = native.library_path(native.compiler())
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a shared library")  # e.g. built on a machine with another C library
+    assert MathAnswerReward(qwen_tokenizer).kernel is None  # falls back
+    native.reset()
+    with pytest.raises(native.NativeUnavailable, match="Cannot load .*delete it to rebuild"):
+        native.library()
+    path.unlink()
+    native.reset()
+    assert MathAnswerReward(qwen_tokenizer, cpu_kernel=True).kernel is not None  # rebuilt with the flags
+    assert path.stat().st_size > 1000
+    native.reset()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TRL_ASYNC_CACHE", str(tmp_path / "file"))  # no cache folder can be made there
+    with pytest.raises(native.NativeUnavailable, match=r"Cannot create .*set \$TRL_ASYNC_CACHE"):
+        native.library()
+
+
 def test_a_failing_build_and_the_switches(qwen_tokenizer, tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_ASYNC_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that fails

@@ -22,6 +22,7 @@ import itertools
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -84,17 +85,20 @@ _LIBRARY_ERROR: str | None = None
 _LOCK = threading.Lock()
 
 
-def compiler() -> str | None:
-    """The C compiler to build with (``$CC``, else ``cc``), or None when there is none."""
-    return shutil.which(os.environ.get("CC", "cc"))
+def compiler() -> list[str] | None:
+    """The C compiler command to build with (``$CC``, which may carry flags or a wrapper such as ``ccache gcc``,
+    else ``cc``), or None when its program is not on PATH."""
+    command = shlex.split(os.environ.get("CC", "cc"))
+    program = shutil.which(command[0]) if command else None
+    return [program, *command[1:]] if program else None
 
 
-def library_path(cc: str) -> Path:
+def library_path(cc: list[str]) -> Path:
     """Where the built kernel is cached: named by its source, build command and machine."""
     from trl_async.offline_assets import cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join([cc, *FLAGS, sys.platform, platform.machine()]).encode())
+    digest.update(" ".join([*cc, *FLAGS, sys.platform, platform.machine()]).encode())
     return cache_dir() / "native" / f"last_box-{digest.hexdigest()[:16]}.so"
 
 
@@ -113,7 +117,7 @@ def _build() -> ctypes.CDLL:
         except OSError as error:
             raise NativeUnavailable(f"Cannot create {path.parent} ({error}); set $TRL_ASYNC_CACHE.") from error
         partial = path.with_name(f"{path.stem}.{os.getpid()}.{threading.get_ident()}.tmp")
-        command = [cc, *FLAGS, str(SOURCE), "-o", str(partial)]
+        command = [*cc, *FLAGS, str(SOURCE), "-o", str(partial)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as error:
@@ -122,7 +126,10 @@ def _build() -> ctypes.CDLL:
             partial.unlink(missing_ok=True)
             raise NativeUnavailable(f"`{' '.join(command)}` failed:\n{done.stderr.strip()}")
         os.replace(partial, path)  # atomic: processes building at once each replace it with the same library
-    library = ctypes.CDLL(str(path))  # not PyDLL: CDLL calls release the GIL
+    try:
+        library = ctypes.CDLL(str(path))  # not PyDLL: CDLL calls release the GIL
+    except OSError as error:  # e.g. a cache shared by machines with different C libraries
+        raise NativeUnavailable(f"Cannot load {path} ({error}); delete it to rebuild.") from error
     pointer, size, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     library.trl_last_box.argtypes = [ctypes.POINTER(BoxTables), pointer, pointer, size, size, size]
     library.trl_last_box.argtypes += [pointer, real, real, pointer, pointer, pointer]
