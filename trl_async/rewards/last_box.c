@@ -43,10 +43,10 @@ typedef struct {
 static const double POW10F[MAX_DIGITS + 1] = {1e0,  1e1,  1e2,  1e3,  1e4,  1e5,  1e6,  1e7,  1e8, 1e9,
                                               1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18};
 
+/* The row of token id in the key space: clamp(id, -1, V) + 1, and 0 outside the mask (0 and V + 1 are null). */
 static int64_t key_of(int64_t id, uint8_t inside, int64_t vocab_size) {
-    if (!inside) return 0;
-    int64_t key = id + 1;
-    return key < 0 ? 0 : key > vocab_size + 1 ? vocab_size + 1 : key;
+    if (!inside || id < 0) return 0;
+    return id >= vocab_size ? vocab_size + 1 : id + 1;
 }
 
 /* The box content from character `offset` of token `start` on; 1 when it holds a number, its value in *out. */
