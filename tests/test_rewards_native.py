@@ -80,7 +80,13 @@ def test_kernel_equals_torch_ops_on_the_benchmark_batch_and_odd_inputs(qwen_toke
         (ids[:, :1], mask[:, :1]),  # L = 1
         (ids[:0], mask[:0]),  # B = 0
         (ids[:, :0], mask[:, :0]),  # L = 0
+        (ids + 2**32, mask),  # ids past int32: outside the vocabulary, not wrapped into it
+        (ids, mask[:1]),  # a (1, L) mask broadcasts
     ]
+    assert not compiled.extract(ids + 2**32, mask)[1].any()
+    for reward in (compiled, torch_ops):  # a mask of another length is an error on both paths
+        with pytest.raises(RuntimeError, match="size"):
+            reward.extract(ids, mask[:, :-2])
     for case_ids, case_mask in cases:
         assert_same_extract(compiled, torch_ops, case_ids, case_mask)
         columns = {"answer": answers[: case_ids.shape[0]]}
@@ -210,6 +216,8 @@ def test_a_failing_build_and_the_switches(qwen_tokenizer, tmp_path, monkeypatch)
     assert not list((tmp_path / "native").glob("*"))  # nothing half-built left behind
     monkeypatch.delenv("CC")
     native.reset()
+    if native.compiler() is not None:
+        native.library()  # built and loaded: the switch still turns it off for every reward made after it
     monkeypatch.setenv("TRL_ASYNC_NATIVE", "0")
     assert MathAnswerReward(qwen_tokenizer).kernel is None
     with pytest.raises(native.NativeUnavailable, match="TRL_ASYNC_NATIVE=0"):
@@ -237,3 +245,16 @@ def test_a_reward_with_the_kernel_pickles_and_deep_copies(qwen_tokenizer, needs_
     monkeypatch.setenv("CC", "no-such-cc")  # unpickled where no compiler exists: the torch-op path
     clone = pickle.loads(payload)
     assert clone.kernel is None and clone.score(ids, mask, answer=["72", "72"]).tolist() == [1.0, 0.0]
+    monkeypatch.delenv("CC")
+    native.reset()
+    required = pickle.dumps(MathAnswerReward(qwen_tokenizer, cpu_kernel=True))
+    native.reset()
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(native.NativeUnavailable, match="cpu_kernel=True, but no C compiler"):
+        pickle.loads(required)  # cpu_kernel=True means the kernel or an error, in every process
+
+
+def test_a_traced_graph_whose_kernel_is_gone_says_so(qwen_tokenizer, needs_compiler):
+    ids, mask = pad_right(encode(qwen_tokenizer, ["\\boxed{72}"]))
+    with pytest.raises(RuntimeError, match="kernel 123456789 is gone from this process"):
+        torch.ops.trl_async.last_box(ids, mask, 123456789, None, 0.0, 0.0)

@@ -236,8 +236,10 @@ def last_literal(ids: torch.Tensor, mask: torch.Tensor, packed: PackedLiteral, m
     """
     code_table, full_after, crossing_end = packed.on(ids.device)
     batch, length = ids.shape
-    key = ids.to(torch.int32, memory_format=torch.contiguous_format, copy=True)  # (B, L) never the caller's ids
-    key.add_(1).clamp_(0, packed.vocab_size + 1).mul_(mask)  # the row, 0 outside the mask
+    # (B, L) the row: clamp(id, -1, V) + 1 (clamped before narrowing: an id >= 2**31 must not wrap into the
+    # vocabulary), in a new contiguous buffer (never the caller's ids), 0 outside the mask
+    key = ids.clamp(-1, packed.vocab_size).to(torch.int32, memory_format=torch.contiguous_format)
+    key.add_(1).mul_(mask)
     code = code_table.index_select(0, key.view(-1))  # (B*L,) int32, null outside the mask
     # The rows run on one flat sequence: a row's first token continues no match from the row before (no mid, no post).
     code.view(batch, length)[:, 0] &= _PRE_AND_FLAGS

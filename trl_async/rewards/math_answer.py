@@ -248,7 +248,7 @@ class MathAnswerReward(TensorReward):
                 raise NativeUnavailable(
                     f"the compiled kernel needs EOS ids inside the vocabulary, got {self.eos_token_ids}."
                 )
-            return LastBoxKernel(self.packed, self.reader, self.window)
+            return LastBoxKernel(self.packed, self.reader, self.window, required=wanted is True)
         except NativeUnavailable as error:
             if wanted:
                 raise NativeUnavailable(f"cpu_kernel=True, but {error}") from error

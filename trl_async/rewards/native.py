@@ -5,7 +5,7 @@ one C loop per row is several times faster. The kernel is optional: it is built 
 compiler (``$CC``, default ``cc``; ~0.1 s, plain C99, no Python or torch headers) into
 ``$TRL_ASYNC_CACHE/native`` (default ``~/.cache/trl_async/native``), named by a hash of its source and build
 command, so later processes only load it. Where it cannot be built (no compiler, Windows, a read-only cache) the
-reward uses its torch-op path; ``TRL_ASYNC_NATIVE=0`` forces that path everywhere.
+reward uses its torch-op path; ``TRL_ASYNC_NATIVE=0`` forces that path on every reward made while it is set.
 
 Invariants: the kernel returns what the torch-op path returns (tested on fuzzed and real completions); it reads the
 tables the torch path owns (no copy, kept alive by :class:`LastBoxKernel`; only a 19 KB bitmap of the tokens that
@@ -103,13 +103,12 @@ def library_path(cc: list[str]) -> Path:
 
 
 def _build() -> ctypes.CDLL:
-    if os.environ.get("TRL_ASYNC_NATIVE", "1") == "0":
-        raise NativeUnavailable("TRL_ASYNC_NATIVE=0 turns the compiled kernel off.")
     if sys.platform == "win32":
         raise NativeUnavailable("The compiled kernel is built on Linux and macOS only.")
     cc = compiler()
     if cc is None:
-        raise NativeUnavailable(f"no C compiler: `{os.environ.get('CC', 'cc')}` is not on PATH (set $CC to one).")
+        named = os.environ.get("CC", "cc").strip() or "(an empty $CC)"
+        raise NativeUnavailable(f"no C compiler: `{named}` is not on PATH (set $CC to one).")
     path = library_path(cc)
     if not path.exists():
         try:
@@ -121,6 +120,7 @@ def _build() -> ctypes.CDLL:
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as error:
+            partial.unlink(missing_ok=True)
             raise NativeUnavailable(f"`{' '.join(command)}` failed: {error}") from error
         if done.returncode != 0:
             partial.unlink(missing_ok=True)
@@ -138,8 +138,11 @@ def _build() -> ctypes.CDLL:
 
 
 def library() -> ctypes.CDLL:
-    """The built kernel library (built or loaded once per process). Raises :class:`NativeUnavailable`."""
+    """The built kernel library (built or loaded once per process; a failure is remembered until :func:`reset`).
+    Raises :class:`NativeUnavailable`, also whenever ``TRL_ASYNC_NATIVE=0`` is set."""
     global _LIBRARY, _LIBRARY_ERROR
+    if os.environ.get("TRL_ASYNC_NATIVE", "1") == "0":
+        raise NativeUnavailable("TRL_ASYNC_NATIVE=0 turns the compiled kernel off.")
     with _LOCK:
         if _LIBRARY is None and _LIBRARY_ERROR is None:
             try:
@@ -171,11 +174,11 @@ class LastBoxKernel:
         window: pieces read from the opener's last token on (``max_answer_tokens``), at most :data:`MAX_WINDOW`.
     """
 
-    def __init__(self, packed, reader, window: int):
+    def __init__(self, packed, reader, window: int, required: bool = False):
         if not 1 <= window <= MAX_WINDOW:
             raise NativeUnavailable(f"The compiled kernel reads at most {MAX_WINDOW} tokens; got {window}.")
         self._function = library().trl_last_box
-        self.packed, self.reader, self.window = packed, reader, window
+        self.packed, self.reader, self.window, self.required = packed, reader, window, required
         code, full_after, crossing_end = packed.on(torch.device("cpu"))
         compose, accepts = reader.automaton.on(torch.device("cpu"))
         tensors = dict(code=code, relevant=_bitmap(code[1 : packed.vocab_size + 1] != 0))
@@ -196,7 +199,7 @@ class LastBoxKernel:
         _KERNELS[self.handle] = self
 
     def __reduce__(self):  # pickle / deepcopy (a reward sent to another process): rebuilt there from its tables
-        return _rebuilt, (self.packed, self.reader, self.window)
+        return _rebuilt, (self.packed, self.reader, self.window, self.required)
 
     def read(self, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``ids`` (B, L) and ``mask`` (B, L) on the CPU -> ``(value (B,) float64, found (B,) bool)``; value is 0
@@ -218,7 +221,7 @@ class LastBoxKernel:
     def run(self, ids, mask, target, abs_tol, rel_tol):
         """The C call itself, on real CPU tensors. -> ``(value, found, reward)``, reward empty without a target."""
         ids = ids.to(torch.int64).contiguous()  # (B, L) no copy when it already is
-        mask = mask.to(torch.bool).contiguous().view(torch.uint8)  # (B, L)
+        mask = mask.to(torch.bool).expand(ids.shape).contiguous().view(torch.uint8)  # (B, L) broadcast as torch does
         batch, length = ids.shape
         value = torch.empty(batch, dtype=torch.float64)  # (B,)
         found = torch.empty(batch, dtype=torch.bool)  # (B,)
@@ -240,11 +243,14 @@ class LastBoxKernel:
         return value, found, reward
 
 
-def _rebuilt(packed, reader, window: int) -> LastBoxKernel | None:
-    """The kernel again in the process that unpickles it, or None (the torch-op path) where it cannot be built."""
+def _rebuilt(packed, reader, window: int, required: bool) -> LastBoxKernel | None:
+    """The kernel again in the process that unpickles it; where it cannot be built there, None (the torch-op path),
+    or, for a reward made with ``cpu_kernel=True``, :class:`NativeUnavailable`."""
     try:
-        return LastBoxKernel(packed, reader, window)
+        return LastBoxKernel(packed, reader, window, required)
     except NativeUnavailable as error:
+        if required:
+            raise NativeUnavailable(f"cpu_kernel=True, but {error}") from error
         logger.info("MathAnswerReward reads on CPU with torch ops (%s)", error)
         return None
 
@@ -259,7 +265,13 @@ def _bitmap(bits: torch.Tensor) -> torch.Tensor:
 def _last_box_op(
     ids: torch.Tensor, mask: torch.Tensor, handle: int, target: torch.Tensor | None, abs_tol: float, rel_tol: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _KERNELS[handle].run(ids, mask, target, abs_tol, rel_tol)
+    kernel = _KERNELS.get(handle)
+    if kernel is None:
+        raise RuntimeError(
+            f"trl_async::last_box: kernel {handle} is gone from this process (a graph traced elsewhere, or its reward "
+            "was deleted); trace the reward's score again."
+        )
+    return kernel.run(ids, mask, target, abs_tol, rel_tol)
 
 
 @_last_box_op.register_fake
