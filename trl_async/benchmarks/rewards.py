@@ -28,7 +28,7 @@ op wait for a descheduled thread (erratic, up to 10x slower), so measure there w
 
 Where the time goes (CPU, B=256, L=512): the default score is ~0.16 ms back to back at 1 thread (one C call that
 scans the ids, skipping the tokens that cannot touch ``\\boxed{`` or EOS with a bitmap, then reads and compares the
-box; plus the target column), ~0.42 ms timed in turns with the other methods, as this benchmark does (the caches and
+box; plus the target column), ~0.4-0.5 ms timed in turns with the other methods, as this benchmark does (the caches and
 predictors other code leaves behind, as in a trainer, where the reward runs between generation and the loss). The
 torch-op path is ~150 small ops (~0.6 ms the one pass over the ``(B, L)`` ids, ~0.45 ms the box over 24 tokens, at 1
 thread), so on a CPU it costs mostly dispatch; ``torch.compile`` (inductor, CPU) made its ``(B, L)`` pass 1.5x slower

@@ -44,8 +44,8 @@ How the tensor path works (no decode, no per-sample loop, no host sync):
 
 On CPU tensors the boxed read (1 and 2) and the comparison with the target run as one C call instead
 (:mod:`~trl_async.rewards.native`, ``last_box.c``, compiled on first use where a C compiler exists): the same
-tables, the same results (tested), 4.5-5.3x faster at B=256, L=512 in the benchmark, because ~150 torch ops cost
-mostly dispatch there.
+tables, the same results (tested), 4-9x faster at B=256, L=512 in the benchmark (median ~5x), because ~150 torch
+ops cost mostly dispatch there.
 ``cpu_kernel=False`` (or ``TRL_ASYNC_NATIVE=0``) keeps the torch-op path; other devices always use it.
 """
 
