@@ -239,21 +239,23 @@ class MathAnswerReward(TensorReward):
         """The compiled CPU kernel of the boxed read, or None (then the torch-op path runs on CPU too)."""
         if wanted is False:
             return None
-        try:
-            if self.answer_format != "boxed":
-                raise NativeUnavailable(
-                    f"the compiled kernel reads answer_format='boxed' only, not {self.answer_format!r}."
-                )
-            if self.packed is None:
-                raise NativeUnavailable(
-                    f"the compiled kernel needs EOS ids inside the vocabulary, got {self.eos_token_ids}."
-                )
-            return LastBoxKernel(self.packed, self.reader, self.window, required=wanted is True)
-        except NativeUnavailable as error:
-            if wanted:
-                raise NativeUnavailable(f"cpu_kernel=True, but {error}") from error
-            logger.info("MathAnswerReward reads on CPU with torch ops (%s)", error)
-            return None
+        if self.answer_format != "boxed":
+            reason = f"the compiled kernel reads answer_format='boxed' only, not {self.answer_format!r}."
+        elif self.packed is None:
+            reason = f"the compiled kernel needs EOS ids inside the vocabulary, got {self.eos_token_ids}."
+        else:
+            try:
+                return LastBoxKernel(self.packed, self.reader, self.window, required=wanted is True)
+            except NativeUnavailable as error:
+                reason = str(error)
+        if wanted:
+            raise NativeUnavailable(f"cpu_kernel=True, but {reason}")
+        if self.answer_format == "boxed":  # a fallback worth a line in the log; the other formats have no kernel
+            logger.info("MathAnswerReward reads on CPU with torch ops (%s)", reason)
+        return None
+
+    def _on_kernel(self, completion_ids: torch.Tensor) -> bool:
+        return self.kernel is not None and completion_ids.device.type == "cpu"
 
     def score(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor, **columns: Any) -> torch.Tensor:
         if self.answer_column not in columns:
@@ -261,7 +263,7 @@ class MathAnswerReward(TensorReward):
                 f"{self.__name__} needs the target column {self.answer_column!r}; got columns {sorted(columns)}. "
                 "Pass `answer_column=` to read another one."
             )
-        if self.kernel is not None and completion_ids.device.type == "cpu":  # read and compare in one C call
+        if self._on_kernel(completion_ids):  # read and compare in one C call
             ids, mask = at_least_one_column(completion_ids, completion_mask)
             target = column_tensor(columns[self.answer_column], ids.device, target_value, ids.shape[0])  # (B,)
             return self.kernel.score(ids, mask, target, self.abs_tol, self.rel_tol)
@@ -278,7 +280,7 @@ class MathAnswerReward(TensorReward):
     def _read(self, completion_ids: torch.Tensor, completion_mask: torch.Tensor):
         """:meth:`extract`, but value is unspecified where nothing was found."""
         completion_ids, completion_mask = at_least_one_column(completion_ids, completion_mask)
-        if self.kernel is not None and completion_ids.device.type == "cpu":
+        if self._on_kernel(completion_ids):
             return self.kernel.read(completion_ids, completion_mask)
         if self.packed is not None:
             return self._extract_packed(completion_ids, completion_mask.bool())

@@ -77,6 +77,7 @@ _DTYPES = {
     "minus_first": torch.int32, "compose": torch.int32, "accepts": torch.bool,
 }  # fmt: skip
 
+_POINTER_FIELDS = {name for name, kind in BoxTables._fields_ if kind is ctypes.c_void_p}
 _READER_TABLES = ("suffix_base", "closing_base", "function", "depth_change", "lowest", "caret", "n_digits")
 _READER_TABLES += ("digit_value", "after_dot", "minus_first")
 
@@ -184,6 +185,7 @@ class LastBoxKernel:
         tensors = dict(code=code, relevant=_bitmap(code[1 : packed.vocab_size + 1] != 0))
         tensors.update(full_after=full_after, crossing_end=crossing_end, compose=compose, accepts=accepts)
         tensors.update({name: getattr(reader, name) for name in _READER_TABLES})
+        assert set(tensors) == set(_DTYPES) == _POINTER_FIELDS  # a table left out would be a NULL pointer in C
         for name, tensor in tensors.items():
             if tensor.dtype != _DTYPES[name] or not tensor.is_contiguous() or tensor.device.type != "cpu":
                 raise TypeError(f"Table {name} must be a contiguous CPU {_DTYPES[name]} tensor, got {tensor.dtype}.")
